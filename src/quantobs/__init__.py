@@ -1,0 +1,1 @@
+"""quantobs: quantization observers on one vectorized core."""
