@@ -338,7 +338,8 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     def from_compressed_tensors(cls, args: Any) -> QuantizationArgs:
         """Build from a compressed-tensors `QuantizationArgs` or its `model_dump()`."""
         if isinstance(args, BaseModel):
-            args = args.model_dump()
+            # model_dump() drops a symmetric zp_dtype; keep the object's own.
+            args = {**args.model_dump(), "zp_dtype": getattr(args, "zp_dtype", None)}
         if not isinstance(args, dict):
             raise TypeError(
                 "expected a compressed-tensors QuantizationArgs or a dict, got "

@@ -9,8 +9,9 @@ non-finite or out-of-range result:
   computes `0 / 0` and casts the NaN to an integer).
 * An asymmetric range wider than the float32 maximum gets a finite scale
   (compressed-tensors overflows `max - min` to `inf`).
-* MX exponents are clamped to 254 (compressed-tensors allows 255, which is NaN
-  in e8m0 and `2**128 = inf` as a float scale).
+* An MX amax near the float32 maximum gets the scale `2**(128 - emax)`
+  (compressed-tensors rounds it to `inf` in float32 bits and returns an
+  infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
 
 Power-of-two exponents, for MX scales and optional power-of-two int scales::
 
