@@ -109,6 +109,7 @@ def _prepare(
         )
     if global_scale is not None:
         scale = scale / check_global_scale(global_scale)
+    given = {"scale": scale.shape, "zero_point": getattr(zero_point, "shape", None)}
     x_view, scale, zero_point, restore = _grouped_view(x, scale, zero_point, args, g_idx)
     for name, value in (("scale", scale), ("zero_point", zero_point)):
         if value is None:
@@ -119,9 +120,10 @@ def _prepare(
             fits = False
         if not fits:
             raise ValueError(
-                f"{name} of shape {tuple(value.shape)} does not broadcast against "
-                f"x of shape {tuple(x.shape)} for strategy {args.strategy!r}; use "
-                "quantobs.qparam_shape(x.shape, base_name, args)"
+                f"{name} of shape {tuple(given[name] or ())} does not broadcast "
+                f"against x of shape {tuple(x.shape)} for strategy "
+                f"{args.strategy!r}; use quantobs.qparam_shape(x.shape, base_name, "
+                "args)"
             )
     return x_view, scale, zero_point, restore
 
