@@ -48,11 +48,18 @@ def test_strategy_inferred_and_case_insensitive(
 
 
 def test_enum_strings_case_insensitive() -> None:
-    args = QuantizationArgs(type="FLOAT", num_bits=8, dynamic="LOCAL",
-                            strategy="tensor_group", group_size=16)
+    args = QuantizationArgs(
+        type="FLOAT",
+        num_bits=8,
+        dynamic="LOCAL",
+        strategy="tensor_group",
+        group_size=16,
+    )
     assert args.type == "float" and args.dynamic == "local"
-    assert QuantizationArgs(actorder="Static", strategy="group",
-                            group_size=8).actorder == "weight"
+    assert (
+        QuantizationArgs(actorder="Static", strategy="group", group_size=8).actorder
+        == "weight"
+    )
 
 
 @pytest.mark.parametrize(
@@ -75,8 +82,12 @@ def test_enum_strings_case_insensitive() -> None:
         ({"dynamic": "local"}, r"dynamic='local' needs strategy='tensor_group'"),
         ({"type": "float", "num_bits": 4, "symmetric": False}, r"asymmetric FP4"),
         (
-            {"type": "float", "group_size": 32, "scale_dtype": torch.uint8,
-             "symmetric": False},
+            {
+                "type": "float",
+                "group_size": 32,
+                "scale_dtype": torch.uint8,
+                "symmetric": False,
+            },
             r"MX formats .* symmetric only",
         ),
         ({"type": "float", "num_bits": 6}, r"num_bits=6 is not supported"),
@@ -109,19 +120,47 @@ def test_validation_error_is_a_value_error() -> None:
         {},
         {"num_bits": 4, "symmetric": False, "group_size": 128},
         {"num_bits": 8, "type": "float", "strategy": "channel"},
-        {"num_bits": 8, "type": "float", "strategy": "block",
-         "block_structure": [128, 128]},
-        {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-         "group_size": 16, "scale_dtype": "torch.float8_e4m3fn",
-         "dynamic": "local", "observer": "static_minmax"},
-        {"num_bits": 8, "type": "float", "group_size": 32,
-         "scale_dtype": torch.uint8, "zp_dtype": torch.uint8},
-        {"num_bits": 4, "group_size": 128, "actorder": "weight",
-         "observer": "mse", "observer_kwargs": {"maxshrink": 0.5}},
+        {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "block",
+            "block_structure": [128, 128],
+        },
+        {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group",
+            "group_size": 16,
+            "scale_dtype": "torch.float8_e4m3fn",
+            "dynamic": "local",
+            "observer": "static_minmax",
+        },
+        {
+            "num_bits": 8,
+            "type": "float",
+            "group_size": 32,
+            "scale_dtype": torch.uint8,
+            "zp_dtype": torch.uint8,
+        },
+        {
+            "num_bits": 4,
+            "group_size": 128,
+            "actorder": "weight",
+            "observer": "mse",
+            "observer_kwargs": {"maxshrink": 0.5},
+        },
         {"num_bits": 8, "strategy": "token", "dynamic": True},
     ],
-    ids=["default", "w4-asym", "fp8-channel", "fp8-block", "nvfp4-input",
-         "mxfp8", "actorder", "token"],
+    ids=[
+        "default",
+        "w4-asym",
+        "fp8-channel",
+        "fp8-block",
+        "nvfp4-input",
+        "mxfp8",
+        "actorder",
+        "token",
+    ],
 )
 def test_round_trip_with_compressed_tensors(kwargs: dict[str, Any]) -> None:
     theirs = CTArgs(**kwargs)
@@ -138,7 +177,9 @@ def test_round_trip_with_compressed_tensors(kwargs: dict[str, Any]) -> None:
 
 
 def test_from_compressed_tensors_rejects_other_types() -> None:
-    with pytest.raises(TypeError, match="compressed-tensors QuantizationArgs or a dict"):
+    with pytest.raises(
+        TypeError, match="compressed-tensors QuantizationArgs or a dict"
+    ):
         QuantizationArgs.from_compressed_tensors(42)
 
 
@@ -163,8 +204,20 @@ def test_presets_match_compressed_tensors(name: str) -> None:
 
 def test_preset_names() -> None:
     assert set(PRESET_SCHEMES) == set(CT_PRESETS)
-    for name in ("W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8",
-                 "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "NVFP4A16", "MXFP4", "MXFP8"):
+    for name in (
+        "W8A8",
+        "W8A16",
+        "W4A16",
+        "W4A16_ASYM",
+        "W4A8",
+        "FP8",
+        "FP8_DYNAMIC",
+        "FP8_BLOCK",
+        "NVFP4",
+        "NVFP4A16",
+        "MXFP4",
+        "MXFP8",
+    ):
         assert name in PRESET_SCHEMES
     assert preset_scheme("w4a16") == preset_scheme("W4A16")
 

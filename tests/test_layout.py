@@ -123,23 +123,63 @@ def test_g_idx_makes_groups_contiguous() -> None:
     ("base_name", "shape", "kwargs", "error", "match"),
     [
         ("bias", (R, C), {}, ValueError, r"unknown base_name 'bias'; use one of"),
-        ("weight", (R, C), {"strategy": "token", "dynamic": True}, ValueError,
-         r"strategy 'token' cannot be applied to 'weight'"),
-        ("weight", (R, C), {"strategy": "attn_head"}, ValueError,
-         r"'attn_head' cannot be applied to 'weight'"),
-        ("input", (B, S, H), {"strategy": "channel"}, ValueError,
-         r"'channel' cannot be applied to 'input' \(activation\)"),
-        ("output", (B, S, H), {"strategy": "block", "block_structure": [2, 2]},
-         ValueError, r"'block' cannot be applied"),
-        ("q", (B, NH, S, D), {"group_size": 4}, ValueError,
-         r"'group' cannot be applied to 'q' \(attention\)"),
+        (
+            "weight",
+            (R, C),
+            {"strategy": "token", "dynamic": True},
+            ValueError,
+            r"strategy 'token' cannot be applied to 'weight'",
+        ),
+        (
+            "weight",
+            (R, C),
+            {"strategy": "attn_head"},
+            ValueError,
+            r"'attn_head' cannot be applied to 'weight'",
+        ),
+        (
+            "input",
+            (B, S, H),
+            {"strategy": "channel"},
+            ValueError,
+            r"'channel' cannot be applied to 'input' \(activation\)",
+        ),
+        (
+            "output",
+            (B, S, H),
+            {"strategy": "block", "block_structure": [2, 2]},
+            ValueError,
+            r"'block' cannot be applied",
+        ),
+        (
+            "q",
+            (B, NH, S, D),
+            {"group_size": 4},
+            ValueError,
+            r"'group' cannot be applied to 'q' \(attention\)",
+        ),
         ("k", (B, NH, S, D), {"strategy": "channel"}, ValueError, r"cannot be applied"),
-        ("weight", (R, 60), {"group_size": 16}, ValueError,
-         r"group_size 16 does not divide the 60 columns"),
-        ("input", (B, S, 60), {"group_size": 16}, ValueError,
-         r"does not divide the 60 columns of 'input'"),
-        ("weight", (2, R, C), {"strategy": "channel"}, ValueError,
-         r"'weight' must be 2-D"),
+        (
+            "weight",
+            (R, 60),
+            {"group_size": 16},
+            ValueError,
+            r"group_size 16 does not divide the 60 columns",
+        ),
+        (
+            "input",
+            (B, S, 60),
+            {"group_size": 16},
+            ValueError,
+            r"does not divide the 60 columns of 'input'",
+        ),
+        (
+            "weight",
+            (2, R, C),
+            {"strategy": "channel"},
+            ValueError,
+            r"'weight' must be 2-D",
+        ),
         ("input", (H,), {}, ValueError, r"must be at least 2-D"),
         ("v", (B, S, H), {"strategy": "attn_head"}, ValueError, r"must be 4-D"),
     ],
@@ -153,7 +193,9 @@ def test_layout_errors(
     match: str,
 ) -> None:
     with pytest.raises(error, match=match):
-        flatten_for_calibration(torch.zeros(shape), base_name, QuantizationArgs(**kwargs))
+        flatten_for_calibration(
+            torch.zeros(shape), base_name, QuantizationArgs(**kwargs)
+        )
     with pytest.raises(error, match=match):
         qparam_shape(shape, base_name, QuantizationArgs(**kwargs))
 
@@ -184,5 +226,5 @@ def test_g_idx_only_for_weight_groups() -> None:
 
 
 def test_non_tensor_input() -> None:
-    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
         flatten_for_calibration([1.0, 2.0], "weight", QuantizationArgs())  # type: ignore[arg-type]

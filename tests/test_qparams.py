@@ -34,12 +34,27 @@ ARGS: dict[str, dict[str, Any]] = {
     "fp4": {"num_bits": 4, "type": "float"},
     "fp8-scale-fp16": {"num_bits": 8, "type": "float", "scale_dtype": torch.float16},
     "int8-scale-bf16": {"num_bits": 8, "scale_dtype": torch.bfloat16},
-    "nvfp4": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-              "group_size": 16, "scale_dtype": torch.float8_e4m3fn},
-    "mxfp4": {"num_bits": 4, "type": "float", "group_size": 32,
-              "scale_dtype": torch.uint8, "zp_dtype": torch.uint8},
-    "mxfp8": {"num_bits": 8, "type": "float", "group_size": 32,
-              "scale_dtype": torch.uint8, "zp_dtype": torch.uint8},
+    "nvfp4": {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "scale_dtype": torch.float8_e4m3fn,
+    },
+    "mxfp4": {
+        "num_bits": 4,
+        "type": "float",
+        "group_size": 32,
+        "scale_dtype": torch.uint8,
+        "zp_dtype": torch.uint8,
+    },
+    "mxfp8": {
+        "num_bits": 8,
+        "type": "float",
+        "group_size": 32,
+        "scale_dtype": torch.uint8,
+        "zp_dtype": torch.uint8,
+    },
 }
 
 
@@ -74,23 +89,39 @@ def _global_scale(
     return ct_gparam(min_vals.min().reshape(1), max_vals.max().reshape(1))
 
 
-@pytest.mark.parametrize("kind", ["random", "positive", "negative", "constant",
-                                  "tiny", "huge-sym"])
+@pytest.mark.parametrize(
+    "kind", ["random", "positive", "negative", "constant", "tiny", "huge-sym"]
+)
 @pytest.mark.parametrize("name", sorted(ARGS))
 def test_parity_with_compressed_tensors(name: str, kind: str) -> None:
     kwargs = ARGS[name]
     min_vals, max_vals = _ranges(kind)
     global_scale = _global_scale(kwargs, min_vals, max_vals)
     theirs = ct_qparams(min_vals, max_vals, CTArgs(**kwargs), global_scale)
-    ours = calculate_qparams(min_vals, max_vals, QuantizationArgs(**kwargs), global_scale)
+    ours = calculate_qparams(
+        min_vals, max_vals, QuantizationArgs(**kwargs), global_scale
+    )
     for mine, other in zip(ours, theirs, strict=True):
         assert mine.dtype == other.dtype and mine.shape == other.shape
         assert torch.equal(mine, other)
 
 
 @pytest.mark.parametrize(
-    "name", ["W4A16", "W4A16_ASYM", "W8A8", "W8A16", "W4A8", "FP8", "FP8_DYNAMIC",
-             "FP8_BLOCK", "NVFP4", "NVFP4A16", "MXFP4", "MXFP8"]
+    "name",
+    [
+        "W4A16",
+        "W4A16_ASYM",
+        "W8A8",
+        "W8A16",
+        "W4A8",
+        "FP8",
+        "FP8_DYNAMIC",
+        "FP8_BLOCK",
+        "NVFP4",
+        "NVFP4A16",
+        "MXFP4",
+        "MXFP8",
+    ],
 )
 def test_presets_parity(name: str) -> None:
     args = preset_scheme(name).weights
@@ -143,8 +174,9 @@ def test_huge_asymmetric_range_stays_finite() -> None:
     )
     assert torch.isfinite(scale).all() and scale.item() == pytest.approx(6e38 / 255)
     assert zero_point.item() == 0
-    assert not torch.isfinite(ct_qparams(min_vals, max_vals,
-                                         CTArgs(symmetric=False))[0]).all()
+    assert not torch.isfinite(
+        ct_qparams(min_vals, max_vals, CTArgs(symmetric=False))[0]
+    ).all()
 
 
 def test_mx_scale_of_float32_max_is_finite() -> None:
@@ -171,8 +203,9 @@ def _pow2_reference(amax: float, mode: str) -> int:
 
 @pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
 def test_mx_rounding_modes(mode: str) -> None:
-    amax = torch.tensor([1.0, 1.5, 1.74, 1.75, 1.99, 2.0, 3.0, 3.5, 6.0, 7.0,
-                         0.3, 1e-30, 448.0, 500.0])
+    amax = torch.tensor(
+        [1.0, 1.5, 1.74, 1.75, 1.99, 2.0, 3.0, 3.5, 6.0, 7.0, 0.3, 1e-30, 448.0, 500.0]
+    )
     args = QuantizationArgs(**ARGS["mxfp4"])
     scale, zero_point = calculate_qparams(-amax, amax, args, pow2=mode)
     expected = [2.0 ** (_pow2_reference(a, mode) - 2) for a in amax.tolist()]
@@ -195,7 +228,9 @@ def test_pow2_int_scales() -> None:
 
 
 def test_pow2_exponent_rejects_bad_mode() -> None:
-    with pytest.raises(ValueError, match="rounding='up'; use 'even', 'floor' or 'ceil'"):
+    with pytest.raises(
+        ValueError, match="rounding='up'; use 'even', 'floor' or 'ceil'"
+    ):
         pow2_exponent(torch.ones(1), "up")  # type: ignore[arg-type]
 
 
@@ -220,7 +255,9 @@ def test_scale_dtype_follows_input_dtype() -> None:
 @pytest.mark.parametrize("amax", [1e-3, 1.0, 6.0, 1e4, 3e38])
 def test_generate_gparam_parity(amax: float) -> None:
     min_vals, max_vals = torch.tensor([-amax / 2]), torch.tensor([amax])
-    assert torch.equal(generate_gparam(min_vals, max_vals), ct_gparam(min_vals, max_vals))
+    assert torch.equal(
+        generate_gparam(min_vals, max_vals), ct_gparam(min_vals, max_vals)
+    )
 
 
 def test_global_scale_edge_cases() -> None:
@@ -245,8 +282,11 @@ def test_storage_round_trip(name: str) -> None:
     stored = scale_to_storage(scale, args)
     assert stored.dtype == (torch.uint8 if args.is_mx else torch.float8_e4m3fn)
     assert torch.equal(storage_to_scale(stored, args), scale)
-    e8m0 = QuantizationArgs(**{**ARGS[name], "scale_dtype": torch.float8_e8m0fnu}) \
-        if args.is_mx else None
+    e8m0 = (
+        QuantizationArgs(**{**ARGS[name], "scale_dtype": torch.float8_e8m0fnu})
+        if args.is_mx
+        else None
+    )
     if e8m0 is not None:
         codes = scale_to_storage(scale, e8m0)
         assert codes.dtype == torch.float8_e8m0fnu
@@ -257,19 +297,33 @@ def test_storage_round_trip(name: str) -> None:
 @pytest.mark.parametrize(
     ("min_vals", "max_vals", "error", "match"),
     [
-        (torch.tensor([float("nan")]), torch.tensor([1.0]), ValueError,
-         r"1 non-finite range value\(s\)"),
-        (torch.tensor([-1.0, 0.0]), torch.tensor([float("inf"), 1.0]), ValueError,
-         "non-finite"),
+        (
+            torch.tensor([float("nan")]),
+            torch.tensor([1.0]),
+            ValueError,
+            r"1 non-finite range value\(s\)",
+        ),
+        (
+            torch.tensor([-1.0, 0.0]),
+            torch.tensor([float("inf"), 1.0]),
+            ValueError,
+            "non-finite",
+        ),
         (torch.tensor([2.0]), torch.tensor([1.0]), ValueError, "min_vals > max_vals"),
         (torch.zeros(2), torch.zeros(3), ValueError, "must have the same shape"),
-        (torch.zeros(2, dtype=torch.int32), torch.zeros(2), TypeError,
-         "must be a floating tensor"),
+        (
+            torch.zeros(2, dtype=torch.int32),
+            torch.zeros(2),
+            TypeError,
+            "must be a floating tensor",
+        ),
         ([0.0], torch.zeros(1), TypeError, "must be a torch.Tensor"),
     ],
     ids=["nan", "inf", "min-gt-max", "shape", "int", "list"],
 )
-def test_errors(min_vals: Any, max_vals: Any, error: type[Exception], match: str) -> None:
+def test_errors(
+    min_vals: Any, max_vals: Any, error: type[Exception], match: str
+) -> None:
     with pytest.raises(error, match=match):
         calculate_qparams(min_vals, max_vals, QuantizationArgs())
 
@@ -299,7 +353,9 @@ def test_scale_positive_and_zero_point_in_range(a: float, b: float, name: str) -
     kwargs = ARGS[name]
     args = QuantizationArgs(**kwargs)
     min_vals, max_vals = torch.tensor([min(a, b)]), torch.tensor([max(a, b)])
-    gs = generate_gparam(min_vals, max_vals) if args.strategy == "tensor_group" else None
+    gs = (
+        generate_gparam(min_vals, max_vals) if args.strategy == "tensor_group" else None
+    )
     scale, zero_point = calculate_qparams(min_vals, max_vals, args, gs)
     assert torch.isfinite(scale).all() and (scale > 0).all()
     qmin, qmax = calculate_range(args)

@@ -33,8 +33,21 @@ from quantobs import (
     scale_to_storage,
 )
 
-PRESETS = ["W4A16", "W4A16_ASYM", "W8A8", "W8A16", "W4A8", "W2A16", "FP8",
-           "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "NVFP4A16", "MXFP4", "MXFP8"]
+PRESETS = [
+    "W4A16",
+    "W4A16_ASYM",
+    "W8A8",
+    "W8A16",
+    "W4A8",
+    "W2A16",
+    "FP8",
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "NVFP4",
+    "NVFP4A16",
+    "MXFP4",
+    "MXFP8",
+]
 
 
 def _qparams(
@@ -123,7 +136,7 @@ def test_stored_scales_decode() -> None:
         args = preset_scheme(name).weights
         assert args is not None
         w = _weight()
-        scale, zero_point, gs = _qparams(w, "weight", args)
+        scale, _, gs = _qparams(w, "weight", args)
         stored = scale_to_storage(scale, args)
         assert stored.dtype in (torch.uint8, torch.float8_e4m3fn)
         assert torch.equal(
@@ -158,8 +171,13 @@ def test_g_idx() -> None:
     # the identity ordering is plain group quantization
     identity = torch.arange(64) // 16
     plain_scale, plain_zp = calculate_qparams(
-        *(f((0, -1)) for f in (flatten_for_calibration(w, "weight", args).amin,
-                               flatten_for_calibration(w, "weight", args).amax)),
+        *(
+            f((0, -1))
+            for f in (
+                flatten_for_calibration(w, "weight", args).amin,
+                flatten_for_calibration(w, "weight", args).amax,
+            )
+        ),
         args,
     )
     assert torch.equal(
@@ -171,31 +189,78 @@ def test_g_idx() -> None:
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda w, s, a: fake_quantize(w, s[:3], None, a), ValueError,
-         r"scale of shape \(3, 4\) does not broadcast"),
-        (lambda w, s, a: fake_quantize(w, s * 0, None, a), ValueError,
-         "finite and positive"),
-        (lambda w, s, a: fake_quantize(w, s * float("nan"), None, a), ValueError,
-         "finite and positive"),
-        (lambda w, s, a: fake_quantize(w[:, :60], s, None, a), ValueError,
-         "group_size 16 does not divide"),
-        (lambda w, s, a: fake_quantize(w, s, None, CTArgs(num_bits=4)), TypeError,
-         "from_compressed_tensors"),
-        (lambda w, s, a: fake_quantize(w.tolist(), s, None, a), TypeError,
-         "x must be a torch.Tensor"),
-        (lambda w, s, a: fake_quantize(w, s.to(torch.int32), None, a), TypeError,
-         "scale must be a floating tensor"),
+        (
+            lambda w, s, a: fake_quantize(w, s[:3], None, a),
+            ValueError,
+            r"scale of shape \(3, 4\) does not broadcast",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w, s * 0, None, a),
+            ValueError,
+            "finite and positive",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w, s * float("nan"), None, a),
+            ValueError,
+            "finite and positive",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w[:, :60], s, None, a),
+            ValueError,
+            "group_size 16 does not divide",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w, s, None, CTArgs(num_bits=4)),
+            TypeError,
+            "from_compressed_tensors",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w.tolist(), s, None, a),
+            TypeError,
+            "x must be a torch.Tensor",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w, s.to(torch.int32), None, a),
+            TypeError,
+            "scale must be a floating tensor",
+        ),
         (lambda w, s, a: dequantize(w, s, None, None), ValueError, "needs args"),
-        (lambda w, s, a: fake_quantize(w, s, None, QuantizationArgs(), torch.zeros(64)),
-         ValueError, "g_idx applies to strategy"),
-        (lambda w, s, a: fake_quantize(w, s, None, a, global_scale=torch.zeros(1)),
-         ValueError, "global_scale must be finite and positive"),
-        (lambda w, s, a: fake_quantize(
-            w[None], s, None, QuantizationArgs(strategy="block", block_structure=[4, 4])),
-         ValueError, "needs a 2-D tensor"),
+        (
+            lambda w, s, a: fake_quantize(
+                w, s, None, QuantizationArgs(), torch.zeros(64)
+            ),
+            ValueError,
+            "g_idx applies to strategy",
+        ),
+        (
+            lambda w, s, a: fake_quantize(w, s, None, a, global_scale=torch.zeros(1)),
+            ValueError,
+            "global_scale must be finite and positive",
+        ),
+        (
+            lambda w, s, a: fake_quantize(
+                w[None],
+                s,
+                None,
+                QuantizationArgs(strategy="block", block_structure=[4, 4]),
+            ),
+            ValueError,
+            "needs a 2-D tensor",
+        ),
     ],
-    ids=["shape", "zero", "nan", "group", "ct-args", "list", "int-scale", "no-args",
-         "g_idx", "global", "block-3d"],
+    ids=[
+        "shape",
+        "zero",
+        "nan",
+        "group",
+        "ct-args",
+        "list",
+        "int-scale",
+        "no-args",
+        "g_idx",
+        "global",
+        "block-3d",
+    ],
 )
 def test_errors(call: Any, error: type[Exception], match: str) -> None:
     w = _weight(rows=8, cols=64)
@@ -210,8 +275,9 @@ INT_ARGS = [{"num_bits": b, "symmetric": s} for b in (2, 4, 8) for s in (True, F
 
 @settings(max_examples=150, deadline=None)
 @given(
-    data=st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2,
-                  max_size=64),
+    data=st.lists(
+        st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2, max_size=64
+    ),
     kwargs=st.sampled_from(INT_ARGS),
 )
 def test_int_error_within_half_step(data: list[float], kwargs: dict[str, Any]) -> None:
@@ -230,8 +296,9 @@ def test_int_error_within_half_step(data: list[float], kwargs: dict[str, Any]) -
 
 @settings(max_examples=100, deadline=None)
 @given(
-    data=st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2,
-                  max_size=64),
+    data=st.lists(
+        st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2, max_size=64
+    ),
     name=st.sampled_from(["FP8", "NVFP4", "MXFP4", "MXFP8"]),
 )
 def test_float_rounds_to_nearest_grid_value(data: list[float], name: str) -> None:

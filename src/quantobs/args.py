@@ -158,7 +158,11 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     @field_validator("strategy", mode="before")
     @classmethod
     def _strategy(cls, value: Any) -> Any:
-        return None if value is None else _parse_enum(QuantizationStrategy, value, "strategy")
+        return (
+            None
+            if value is None
+            else _parse_enum(QuantizationStrategy, value, "strategy")
+        )
 
     @field_validator("dynamic", mode="before")
     @classmethod
@@ -235,8 +239,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     def _check_bits(self) -> None:
         if self.type == "int" and not 2 <= self.num_bits <= 8:
             raise ValueError(
-                f"num_bits={self.num_bits} is not supported for type 'int'; "
-                "use 2..8"
+                f"num_bits={self.num_bits} is not supported for type 'int'; use 2..8"
             )
         if self.type == "float" and self.num_bits not in (4, 8):
             raise ValueError(
@@ -277,9 +280,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
                 f"'tensor_group', not {self.strategy!r}"
             )
         if self.strategy == "block" and self.block_structure is None:
-            raise ValueError(
-                "strategy='block' needs block_structure, e.g. [128, 128]"
-            )
+            raise ValueError("strategy='block' needs block_structure, e.g. [128, 128]")
         if self.strategy != "block" and self.block_structure is not None:
             raise ValueError(
                 f"block_structure={self.block_structure} needs strategy='block', "
@@ -299,8 +300,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
             )
         if self.dynamic == "local" and self.strategy != "tensor_group":
             raise ValueError(
-                f"dynamic='local' needs strategy='tensor_group', not "
-                f"{self.strategy!r}"
+                f"dynamic='local' needs strategy='tensor_group', not {self.strategy!r}"
             )
 
     def _default_zp_dtype(self) -> torch.dtype:
@@ -320,7 +320,9 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     def format(self) -> NumberFormat:
         """The number format of the quantized values (e.g. `int4`, `float8_e4m3fn`)."""
         if self.type == "float":
-            return get_format("float8_e4m3fn" if self.num_bits == 8 else "float4_e2m1fn")
+            return get_format(
+                "float8_e4m3fn" if self.num_bits == 8 else "float4_e2m1fn"
+            )
         return get_format(f"int{self.num_bits}")
 
     @property

@@ -64,7 +64,9 @@ def _check_ndim(value: torch.Tensor, base_name: str, expected: str, ok: bool) ->
         )
 
 
-def _groups(value: torch.Tensor, group_size: int, base_name: str) -> int:
+def _groups(value: torch.Tensor, group_size: int | None, base_name: str) -> int:
+    if group_size is None or group_size <= 0:
+        raise ValueError(f"a positive group_size is required, got {group_size}")
     columns = value.shape[-1]
     if columns % group_size != 0:
         raise ValueError(
@@ -73,6 +75,15 @@ def _groups(value: torch.Tensor, group_size: int, base_name: str) -> int:
             f"that divides {columns} or leave this module unquantized"
         )
     return columns // group_size
+
+
+def _block_structure(args: QuantizationArgs) -> tuple[int, int]:
+    if args.block_structure is None or len(args.block_structure) != 2:
+        raise ValueError(
+            f"block_structure must be [rows, cols], got {args.block_structure}"
+        )
+    rows, cols = args.block_structure
+    return rows, cols
 
 
 def validate_g_idx(g_idx: torch.Tensor, columns: int, group_size: int) -> None:
@@ -113,18 +124,17 @@ def _flatten_weight(
     if strategy == "channel":
         return value.unsqueeze(-2).unsqueeze(0)  # (1, rows, 1, cols)
     if strategy in ("group", "tensor_group"):
-        assert args.group_size is not None  # guaranteed by QuantizationArgs
         num_groups = _groups(value, args.group_size, "weight")
+        group_size = value.shape[-1] // num_groups
         if g_idx is not None:
-            validate_g_idx(g_idx, value.shape[-1], args.group_size)
+            validate_g_idx(g_idx, value.shape[-1], group_size)
             # Stable sort keeps the original column order inside each group.
             perm = torch.argsort(g_idx.to(value.device), stable=True)
             value = value.index_select(-1, perm)
         # (1, rows, num_groups, group_size)
-        return value.unflatten(-1, (num_groups, args.group_size)).unsqueeze(0)
+        return value.unflatten(-1, (num_groups, group_size)).unsqueeze(0)
     # block: zero-pad to whole blocks, as llm-compressor does.
-    assert args.block_structure is not None  # guaranteed by QuantizationArgs
-    block_rows, block_cols = args.block_structure
+    block_rows, block_cols = _block_structure(args)
     rows, cols = value.shape
     pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
     if pad_rows or pad_cols:
@@ -150,18 +160,15 @@ def _flatten_activation(
     if args.strategy == "token":
         # (1, *token_dims, 1, hidden), e.g. (1, batch, seq, 1, hidden)
         return value.unsqueeze(-2).unsqueeze(0)
-    assert args.group_size is not None  # guaranteed by QuantizationArgs
     num_groups = _groups(value, args.group_size, base_name)
     # (batch * seq, num_groups, group_size)
-    return value.reshape(-1, num_groups, args.group_size)
+    return value.reshape(-1, num_groups, hidden // num_groups)
 
 
 def _flatten_attention(
     value: torch.Tensor, base_name: str, args: QuantizationArgs
 ) -> torch.Tensor:
-    _check_ndim(
-        value, base_name, "4-D (batch, heads, seq, head_dim)", value.ndim == 4
-    )
+    _check_ndim(value, base_name, "4-D (batch, heads, seq, head_dim)", value.ndim == 4)
     if args.strategy == "tensor":
         # (batch * seq, 1, heads * head_dim)
         return value.transpose(1, 2).flatten(0, 1).flatten(-2, -1).unsqueeze(-2)

@@ -28,7 +28,12 @@ class QuantizationScheme(BaseModel):
 
 
 def _int_weights(bits: int, symmetric: bool = True) -> dict[str, Any]:
-    return {"num_bits": bits, "strategy": "group", "group_size": 128, "symmetric": symmetric}
+    return {
+        "num_bits": bits,
+        "strategy": "group",
+        "group_size": 128,
+        "symmetric": symmetric,
+    }
 
 
 def _int_tokens(bits: int) -> dict[str, Any]:
@@ -70,7 +75,11 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "NVFP4A16": {"weights": _NVFP4},
     "NVFP4": {
         "weights": _NVFP4,
-        "input_activations": {**_NVFP4, "dynamic": "local", "observer": "static_minmax"},
+        "input_activations": {
+            **_NVFP4,
+            "dynamic": "local",
+            "observer": "static_minmax",
+        },
     },
     "MXFP4A16": {"weights": _float(4, "group", **_MX)},
     "MXFP4": {
@@ -108,5 +117,7 @@ def preset_scheme(name: str, targets: list[str] | None = None) -> QuantizationSc
         raise KeyError(
             f"unknown preset scheme {name!r}; available: {', '.join(PRESET_SCHEMES)}"
         )
-    fields = {part: QuantizationArgs(**kwargs) for part, kwargs in _PRESETS[key].items()}
+    fields = {
+        part: QuantizationArgs(**kwargs) for part, kwargs in _PRESETS[key].items()
+    }
     return QuantizationScheme(targets=targets or ["Linear"], **fields)

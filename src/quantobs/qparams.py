@@ -73,9 +73,7 @@ def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
             "observer with nan_policy='omit')"
         )
     if (min_vals > max_vals).any():
-        raise ValueError(
-            "min_vals > max_vals somewhere; pass the range as (min, max)"
-        )
+        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
 
 
 def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.Tensor:
@@ -88,7 +86,9 @@ def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.
     Returns:
         float32 tensor of integer-valued exponents, same shape.
     """
-    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, 0.5 <= m < 1
+    mantissa, exponent = torch.frexp(
+        amax
+    )  # amax = mantissa * 2**exponent, 0.5 <= m < 1
     e = (exponent - 1).to(torch.float32)  # amax = (2 * mantissa) * 2**e
     if rounding == "even":
         e = e + (mantissa >= 0.875).to(torch.float32)
@@ -99,7 +99,9 @@ def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.
     return torch.where(amax > 0, e, torch.full_like(e, float("-inf")))
 
 
-def _mx_scales(amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding) -> torch.Tensor:
+def _mx_scales(
+    amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
+) -> torch.Tensor:
     # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
     biased = pow2_exponent(amax, rounding) - fmt.emax + _E8M0_BIAS
     biased = biased.clamp(0, _E8M0_MAX_EXPONENT)
@@ -255,8 +257,12 @@ def amax_to_global_scale(
     Returns:
         `(1,)` global scale in `dtype`.
     """
-    scale_fmt = get_format(scale_format) if isinstance(scale_format, str) else scale_format
-    quant_fmt = get_format(quant_format) if isinstance(quant_format, str) else quant_format
+    scale_fmt = (
+        get_format(scale_format) if isinstance(scale_format, str) else scale_format
+    )
+    quant_fmt = (
+        get_format(quant_format) if isinstance(quant_format, str) else quant_format
+    )
     if not torch.isfinite(amax).all():
         raise ValueError(
             "amax is not finite (NaN or inf); drop non-finite inputs before "
@@ -291,7 +297,8 @@ def generate_gparam(
     """
     _check_range(min_vals, max_vals)
     amax = torch.maximum(
-        torch.clamp(min_vals.float(), max=0.0).abs(), torch.clamp(max_vals.float(), min=0.0)
+        torch.clamp(min_vals.float(), max=0.0).abs(),
+        torch.clamp(max_vals.float(), min=0.0),
     )
     if amax.numel() != 1:
         amax = amax.max()

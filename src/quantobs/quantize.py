@@ -91,9 +91,11 @@ def _prepare(
     global_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, _Restore]:
     """Validate inputs; return x view, effective scale, zero point, restore."""
-    for name, value in (("x", x), ("scale", scale)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, given_value in (("x", x), ("scale", scale)):
+        if not isinstance(given_value, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got {type(given_value).__name__}"
+            )
     if not isinstance(args, QuantizationArgs):
         raise TypeError(
             "args must be a quantobs.QuantizationArgs (convert compressed-tensors "
@@ -110,12 +112,14 @@ def _prepare(
     if global_scale is not None:
         scale = scale / check_global_scale(global_scale)
     given = {"scale": scale.shape, "zero_point": getattr(zero_point, "shape", None)}
-    x_view, scale, zero_point, restore = _grouped_view(x, scale, zero_point, args, g_idx)
-    for name, value in (("scale", scale), ("zero_point", zero_point)):
-        if value is None:
+    x_view, scale, zero_point, restore = _grouped_view(
+        x, scale, zero_point, args, g_idx
+    )
+    for name, maybe in (("scale", scale), ("zero_point", zero_point)):
+        if maybe is None:
             continue
         try:
-            fits = torch.broadcast_shapes(x_view.shape, value.shape) == x_view.shape
+            fits = torch.broadcast_shapes(x_view.shape, maybe.shape) == x_view.shape
         except RuntimeError:
             fits = False
         if not fits:

@@ -1,0 +1,286 @@
+"""Number formats that quantized values are rounded to.
+
+One table, :data:`FORMATS`, keyed by the names torch and ml_dtypes use. Each
+entry is a :class:`NumberFormat` that knows its bounds, its bit patterns and
+its rounding, so callers never branch on ``num_bits``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FORMATS", "NumberFormat", "get_format", "int_format"]
+
+# float8_e8m0fnu has no sign, no zero and no mantissa: its values are 2**e for
+# e in -127..127 (code e + 127), and code 0xFF is NaN. With no mantissa bit there
+# is no "even" to tie to: from the linear midpoint 1.5 * 2**e upwards we round to
+# 2**(e+1), so ties go UP, whatever the parity of the code. ml_dtypes and torch
+# agree (torch calls the implicit leading 1, always odd, the LSB):
+#
+#     x            1.0  1.4  1.5  1.6  2.9  3.0  3.1  6.0  12.0  0.75
+#     round(x)     1    1    2    2    2    4    4    8    16    1
+#     code         127  127  128  128  128  129  129  130  131   127
+#
+# Beyond the range we saturate where ml_dtypes and torch give NaN (or worse):
+#     x <= 2**-127 (including 0, negatives, -inf)  ->  2**-127
+#     x >= 2**127  (including +inf)                ->  2**127
+#     NaN                                          ->  NaN
+
+# Native casts that are exact round-to-nearest-even on clamped float32 input.
+# Not float8_e8m0fnu: torch (and ml_dtypes) round every float32 subnormal in
+# (2**-127, 1.5 * 2**-127) up to 2**-126, though 2**-127 is nearer.
+_EXACT_NATIVE_CASTS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """A number format: its range, its bit patterns and its rounding.
+
+    Attributes:
+        name: Name as torch / ml_dtypes spell it, e.g. ``"int4"``.
+        bits: Width of one code in bits.
+        is_float: Whether the format is a floating-point format.
+        signed: Whether the format has negative values.
+        min: Most negative finite value; for unsigned formats the smallest
+            value (0.0 for unsigned ints, ``2**-127`` for float8_e8m0fnu).
+        max: Largest finite value.
+        exponent_bits: Exponent field width (0 for ints).
+        mantissa_bits: Mantissa field width (0 for ints).
+        exponent_bias: Exponent bias (0 for ints).
+        min_normal: Smallest positive normal value (1.0 for ints).
+        min_subnormal: Smallest positive value (1.0 for ints).
+        torch_dtype: Native torch dtype with exactly these semantics, if any.
+        has_inf: Whether the all-ones exponent with zero mantissa encodes
+            infinity (IEEE style). Codes whose magnitude would exceed ``max``
+            and are not infinities are NaN.
+    """
+
+    name: str
+    bits: int
+    is_float: bool
+    signed: bool
+    min: float
+    max: float
+    exponent_bits: int
+    mantissa_bits: int
+    exponent_bias: int
+    min_normal: float
+    min_subnormal: float
+    torch_dtype: torch.dtype | None
+    has_inf: bool = False
+
+    @property
+    def emax(self) -> int:
+        """``floor(log2(max))``: exponent of the largest binade (also for ints)."""
+        return math.frexp(self.max)[1] - 1
+
+    @property
+    def _emin(self) -> int:
+        """``log2(min_normal)``: exponent of the smallest normal binade."""
+        return math.frexp(self.min_normal)[1] - 1
+
+    def values(self) -> torch.Tensor:
+        """Every distinct finite value, ascending, float64 (zero appears once)."""
+        table = _code_table(self)
+        finite: torch.Tensor = torch.unique(table[torch.isfinite(table)])
+        return finite + 0.0  # -0.0 -> +0.0
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Interpret bit patterns as values of this format.
+
+        Args:
+            codes: Integer tensor of codes in ``0 .. 2**bits - 1``; for ints the
+                code is the two's-complement pattern.
+
+        Returns:
+            Float64 tensor of values on ``codes.device``: NaN for NaN codes and
+            ``±inf`` for infinity codes.
+
+        Raises:
+            TypeError: If ``codes`` is not an integer tensor.
+            ValueError: If a code is outside ``0 .. 2**bits - 1``.
+        """
+        if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+            raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+        idx = codes.long()
+        if idx.numel() and (idx.min() < 0 or idx.max() >= 1 << self.bits):
+            raise ValueError(f"{self.name} codes must lie in 0..{(1 << self.bits) - 1}")
+        return _code_table(self).to(codes.device)[idx]
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """Round to the nearest value of this format, saturating.
+
+        Ties go to even (ints: half to even like :func:`torch.round`; floats:
+        even mantissa; float8_e8m0fnu: up, see the table in this module).
+        Values beyond ``[min, max]``, including ``±inf``, become ``min`` /
+        ``max``; float8_e8m0fnu has no zero, so values ``<= 2**-127`` become
+        ``2**-127``. NaN stays NaN. Computes in float32 (float64 if ``x`` is
+        float64); float8_e4m3fn and float8_e5m2 use torch's cast after
+        clamping.
+
+        Args:
+            x: Floating-point tensor.
+
+        Returns:
+            Tensor of ``x.dtype`` holding representable values. When the format
+            reaches beyond ``x.dtype`` (float8_e8m0fnu into float16), the final
+            cast back may itself overflow or underflow.
+
+        Raises:
+            TypeError: If ``x`` is not a real floating-point tensor.
+        """
+        if not x.is_floating_point():
+            raise TypeError(f"round needs a floating-point tensor, got {x.dtype}")
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = x.to(work)
+        native = self.torch_dtype
+        if native in _EXACT_NATIVE_CASTS and work == torch.float32:
+            # Not from float64: torch casts it via float32, rounding twice.
+            out = y.clamp(self.min, self.max).to(native).to(work)
+        else:
+            out = self._round_generic(y)
+        return out.to(x.dtype)
+
+    def _round_generic(self, y: torch.Tensor) -> torch.Tensor:
+        """Exact round-to-nearest of a float32/float64 tensor, without casts."""
+        if not self.is_float:
+            return torch.round(y).clamp(self.min, self.max)
+        # Saturate first: no overflow below, and no carry past max.
+        a = y.abs().clamp(0.0, self.max) if self.signed else y.clamp(self.min, self.max)
+        _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): binade e - 1
+        # Subnormals share the smallest normal binade's quantum.
+        binade = (e - 1).clamp(self._emin, self.emax) - self._emin
+        quantum = _quanta(self, y.dtype, y.device)[binade.long()]
+        # a / quantum is exact (power of two), torch.round is half-to-even.
+        out = torch.round(a / quantum) * quantum
+        return torch.copysign(out, y) if self.signed else out
+
+
+@functools.cache
+def _code_table(fmt: NumberFormat) -> torch.Tensor:
+    """Float64 value of every code ``0 .. 2**bits - 1`` (CPU)."""
+    n = 1 << fmt.bits
+    if not fmt.is_float:  # two's complement: the top half of codes is negative
+        ints = [c - n if fmt.signed and c >= n >> 1 else c for c in range(n)]
+        return torch.tensor(ints, dtype=torch.float64)
+    m_bits, e_bits = fmt.mantissa_bits, fmt.exponent_bits
+    out = []
+    for code in range(n):
+        mant = code & ((1 << m_bits) - 1)
+        exp = (code >> m_bits) & ((1 << e_bits) - 1)
+        sign = -1.0 if fmt.signed and code >> (m_bits + e_bits) else 1.0
+        if exp - fmt.exponent_bias < fmt._emin:  # subnormal
+            mag = mant * fmt.min_subnormal
+        else:
+            mag = math.ldexp(1.0 + mant / (1 << m_bits), exp - fmt.exponent_bias)
+        if mag > fmt.max:
+            mag = math.inf if fmt.has_inf and mant == 0 else math.nan
+        out.append(sign * mag)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@functools.cache
+def _quanta(
+    fmt: NumberFormat, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``2**(E - mantissa_bits)`` for every binade E in ``emin .. emax``."""
+    exps = range(fmt._emin - fmt.mantissa_bits, fmt.emax - fmt.mantissa_bits + 1)
+    return torch.tensor([math.ldexp(1.0, e) for e in exps], dtype=dtype, device=device)
+
+
+def _int(bits: int, signed: bool) -> NumberFormat:
+    """Two's-complement (or unsigned) integer format of ``bits`` bits."""
+    name = f"{'' if signed else 'u'}int{bits}"
+    lo = -(1 << (bits - 1)) if signed else 0
+    return NumberFormat(
+        name=name,
+        bits=bits,
+        is_float=False,
+        signed=signed,
+        min=float(lo),
+        max=float(lo + (1 << bits) - 1),
+        exponent_bits=0,
+        mantissa_bits=0,
+        exponent_bias=0,
+        min_normal=1.0,
+        min_subnormal=1.0,
+        torch_dtype={"int8": torch.int8, "uint8": torch.uint8}.get(name),
+    )
+
+
+_h = float.fromhex
+FORMATS: dict[str, NumberFormat] = {
+    **{f.name: f for f in (_int(b, s) for s in (True, False) for b in range(2, 9))},
+    # name, bits, is_float, signed, min, max, e, m, bias, min_normal, min_subnormal
+    "float8_e4m3fn": NumberFormat(
+        "float8_e4m3fn", 8, True, True, _h("-0x1.cp8"), _h("0x1.cp8"),
+        4, 3, 7, _h("0x1p-6"), _h("0x1p-9"), torch.float8_e4m3fn,
+    ),
+    "float8_e5m2": NumberFormat(
+        "float8_e5m2", 8, True, True, _h("-0x1.cp15"), _h("0x1.cp15"),
+        5, 2, 15, _h("0x1p-14"), _h("0x1p-16"), torch.float8_e5m2, has_inf=True,
+    ),
+    "float6_e2m3fn": NumberFormat(
+        "float6_e2m3fn", 6, True, True, _h("-0x1.ep2"), _h("0x1.ep2"),
+        2, 3, 1, _h("0x1p0"), _h("0x1p-3"), None,
+    ),
+    "float6_e3m2fn": NumberFormat(
+        "float6_e3m2fn", 6, True, True, _h("-0x1.cp4"), _h("0x1.cp4"),
+        3, 2, 3, _h("0x1p-2"), _h("0x1p-4"), None,
+    ),
+    "float4_e2m1fn": NumberFormat(
+        "float4_e2m1fn", 4, True, True, _h("-0x1.8p2"), _h("0x1.8p2"),
+        2, 1, 1, _h("0x1p0"), _h("0x1p-1"), None,
+    ),
+    "float8_e8m0fnu": NumberFormat(
+        "float8_e8m0fnu", 8, True, False, _h("0x1p-127"), _h("0x1p127"),
+        8, 0, 127, _h("0x1p-127"), _h("0x1p-127"), torch.float8_e8m0fnu,
+    ),
+}  # fmt: skip
+
+
+def get_format(name: str) -> NumberFormat:
+    """Look a format up by name.
+
+    Args:
+        name: A key of :data:`FORMATS`, e.g. ``"int4"`` or ``"float8_e4m3fn"``.
+
+    Returns:
+        The format.
+
+    Raises:
+        TypeError: If ``name`` is not a string.
+        KeyError: If ``name`` is unknown; the message lists every valid name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"format name must be a str, got {type(name).__name__}")
+    try:
+        return FORMATS[name]
+    except KeyError:
+        valid = ", ".join(FORMATS)
+        raise KeyError(f"unknown format {name!r}; valid names: {valid}") from None
+
+
+def int_format(num_bits: int, signed: bool = True) -> NumberFormat:
+    """The integer format ``int{num_bits}`` or ``uint{num_bits}``.
+
+    Args:
+        num_bits: Width in bits, 2 to 8.
+        signed: Two's-complement signed (default) or unsigned.
+
+    Returns:
+        The format from :data:`FORMATS`.
+
+    Raises:
+        TypeError: If ``num_bits`` is not an int.
+        ValueError: If ``num_bits`` is outside 2..8.
+    """
+    if isinstance(num_bits, bool) or not isinstance(num_bits, int):
+        raise TypeError(f"num_bits must be an int, got {type(num_bits).__name__}")
+    if not 2 <= num_bits <= 8:
+        raise ValueError(f"num_bits must be in 2..8 (int2..int8), got {num_bits}")
+    return FORMATS[f"{'' if signed else 'u'}int{num_bits}"]
