@@ -1,0 +1,77 @@
+# quantobs developer entry points. The README's two commands:
+#   make run    set up .venv with the CLI and run the main job
+#   make test   set up .venv with dev + peers, then lint, type-check and test
+#
+# Every pip install passes -c constraints.txt: it pins torch to the CPU build
+# (an unpinned torch would pull a multi-GB CUDA build) and the dev tools to the
+# versions the developers use. Set-up is idempotent: a stamp file per extra
+# set, rebuilt only when pyproject.toml or constraints.txt change.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+CONSTRAINTS := constraints.txt
+SETUP_INPUTS := pyproject.toml $(CONSTRAINTS)
+
+STAMP_CLI := $(VENV)/.stamp-cli
+STAMP_DEV := $(VENV)/.stamp-dev
+
+# Arguments for the main job, e.g. `make run RUN_ARGS="--scheme NVFP4"`.
+RUN_ARGS ?=
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k cli -x"`.
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help run test setup setup-dev lint format typecheck pytest bench clean
+
+help:
+	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs weights' on the default model"
+	@echo "make test       set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
+	@echo "make format     apply ruff format and the safe ruff fixes"
+	@echo "make bench      run benchmarks/bench_qparams.py"
+	@echo "make clean      remove $(VENV) and tool caches"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# `.[cli]` for the main job.
+$(STAMP_CLI): $(SETUP_INPUTS) | $(BIN)/python
+	$(PIP) install -c $(CONSTRAINTS) -e '.[cli]'
+	touch $@
+
+# `.[dev,cli,peers]` for the checks; it contains `.[cli]`, so it also
+# satisfies `make run`.
+$(STAMP_DEV): $(SETUP_INPUTS) | $(BIN)/python
+	$(PIP) install -c $(CONSTRAINTS) -e '.[dev,cli,peers]'
+	touch $@ $(STAMP_CLI)
+
+setup: $(STAMP_CLI)
+setup-dev: $(STAMP_DEV)
+
+run: $(STAMP_CLI)
+	$(BIN)/quantobs weights $(RUN_ARGS)
+
+# Each step exits non-zero on failure and make stops there; all of them are
+# what .pre-commit-config.yaml runs too.
+test: lint typecheck pytest
+
+lint: $(STAMP_DEV)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP_DEV)
+	$(BIN)/mypy src
+
+pytest: $(STAMP_DEV)
+	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+format: $(STAMP_DEV)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP_DEV)
+	$(BIN)/python benchmarks/bench_qparams.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
