@@ -13,6 +13,7 @@ from quantobs.args import (
 )
 from quantobs.formats import FORMATS, NumberFormat, get_format
 from quantobs.layout import BASE_NAMES, flatten_for_calibration, qparam_shape
+from quantobs.observers import Observer
 from quantobs.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 from quantobs.qparams import (
     amax_to_global_scale,
@@ -33,6 +34,7 @@ __all__ = [
     "ActivationOrdering",
     "DynamicType",
     "NumberFormat",
+    "Observer",
     "QuantizationArgs",
     "QuantizationScheme",
     "QuantizationStrategy",

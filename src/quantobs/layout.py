@@ -22,6 +22,7 @@ from quantobs.args import QuantizationArgs
 
 __all__ = [
     "BASE_NAMES",
+    "check_supported",
     "flatten_for_calibration",
     "qparam_shape",
     "validate_g_idx",
@@ -62,6 +63,11 @@ def _check_ndim(value: torch.Tensor, base_name: str, expected: str, ok: bool) ->
         raise ValueError(
             f"{base_name!r} must be {expected}, got shape {tuple(value.shape)}"
         )
+
+
+def check_supported(base_name: str, args: QuantizationArgs) -> None:
+    """Raise `ValueError` unless `args.strategy` applies to `base_name`."""
+    _check_strategy(base_name, _kind(base_name), str(args.strategy))
 
 
 def _groups(value: torch.Tensor, group_size: int | None, base_name: str) -> int:

@@ -1,0 +1,179 @@
+"""MSE range search: the shrink factor of the range that minimizes the error.
+
+The objective and defaults are llm-compressor's: candidate ranges
+`(p * min, p * max)` for `p = 1 - i / grid`, `i < int(maxshrink * grid)`, each
+scored by `sum |fake_quant(x) - x| ** norm` with the format's real rounding;
+for `tensor_group` (NVFP4) the search uses unrounded group scales and no
+global scale, as llm-compressor does. All candidates and all qparams are
+scored at once, in chunks of at most `chunk_elems` elements per temporary, so
+memory is bounded whatever the input size and no Python loop runs over groups.
+
+`patience` reproduces llm-compressor's early stop: the search ends after
+`patience` consecutive candidates that improve no qparam (`None`: never).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantobs.args import QuantizationArgs
+from quantobs.qparams import calculate_qparams
+from quantobs.quantize import _from_codes, _to_codes
+from quantobs.stats import minmax
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMS",
+    "candidate_errors",
+    "mse_search",
+    "patience_stop",
+    "search_args",
+    "shrink_factors",
+]
+
+# Elements per temporary tensor (16 MiB of float32): bounds peak memory.
+DEFAULT_CHUNK_ELEMS = 1 << 22
+
+
+def shrink_factors(maxshrink: float, grid: float) -> torch.Tensor:
+    """`(C,)` float32 factors `1 - i / grid` for `i < int(maxshrink * grid)`."""
+    steps = max(1, int(maxshrink * grid))
+    return torch.tensor([1 - i / grid for i in range(steps)], dtype=torch.float32)
+
+
+def search_args(args: QuantizationArgs) -> QuantizationArgs:
+    """The args candidates are scored with: NVFP4 group scales stay unrounded."""
+    if args.strategy == "tensor_group" and args.scale_dtype is not None:
+        return args.model_copy(update={"scale_dtype": None})
+    return args
+
+
+def _errors_of_chunk(
+    x: torch.Tensor,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    args: QuantizationArgs,
+    norm: float,
+) -> torch.Tensor:
+    # x: (N, Qc, G); min_vals, max_vals: (Qc,); factors: (C,) -> errors (C, Qc)
+    cand_min = min_vals[None, :] * factors[:, None]  # (C, Qc)
+    cand_max = max_vals[None, :] * factors[:, None]
+    scale, zero_point = calculate_qparams(cand_min, cand_max, args)
+    scale = scale[:, None, :, None]  # (C, 1, Qc, 1)
+    zp = None if args.symmetric else zero_point[:, None, :, None]
+    x_c = x.to(torch.float32)[None]  # (1, N, Qc, G)
+    codes = _to_codes(x_c, scale, zp, args)
+    err = (_from_codes(codes, scale, zp) - x_c).abs_().pow_(norm)
+    return err.sum(dim=(1, 3), dtype=torch.float32).to(torch.float64)
+
+
+def candidate_errors(
+    x_flat: torch.Tensor,
+    args: QuantizationArgs,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    norm: float = 2.4,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Error of every candidate range for every qparam.
+
+    Args:
+        x_flat: `(N, *Q, G)` values (finite).
+        args: the quantization args (see `search_args`).
+        min_vals: `(*Q,)` reference minima; candidates are `factor * min_vals`.
+        max_vals: `(*Q,)` reference maxima.
+        factors: `(C,)` float32 shrink factors.
+        norm: exponent of the absolute error.
+        chunk_elems: elements per temporary tensor.
+
+    Returns:
+        `(C, *Q)` float64 errors `sum |fake_quant(x) - x| ** norm` over N, G.
+    """
+    qshape = tuple(min_vals.shape)
+    n, g = x_flat.shape[0], x_flat.shape[-1]
+    x3 = x_flat.reshape(n, -1, g)  # (N, Qn, G)
+    mins, maxs = min_vals.reshape(-1), max_vals.reshape(-1)
+    factors = factors.to(x_flat.device)
+    num_c, num_q = factors.numel(), x3.shape[1]
+    errors = torch.zeros(num_c, num_q, dtype=torch.float64, device=x_flat.device)
+    per_qparam = num_c * n * g
+    q_step = max(1, chunk_elems // per_qparam)
+    for q0 in range(0, num_q, q_step):
+        q1 = min(num_q, q0 + q_step)
+        if per_qparam <= chunk_elems:
+            errors[:, q0:q1] = _errors_of_chunk(
+                x3[:, q0:q1], mins[q0:q1], maxs[q0:q1], factors, args, norm
+            )
+            continue
+        # One qparam is too large for a chunk: score its values piece by piece.
+        values = x3[:, q0, :].reshape(1, 1, -1)
+        step = max(1, chunk_elems // num_c)
+        for v0 in range(0, values.shape[-1], step):
+            errors[:, q0 : q0 + 1] += _errors_of_chunk(
+                values[..., v0 : v0 + step],
+                mins[q0 : q0 + 1],
+                maxs[q0 : q0 + 1],
+                factors,
+                args,
+                norm,
+            )
+    return errors.reshape(num_c, *qshape)
+
+
+def patience_stop(errors: torch.Tensor, patience: int | None) -> int:
+    """How many candidates llm-compressor's loop scores before it stops.
+
+    It stops after `patience` consecutive candidates that improve no qparam.
+    """
+    num_c = errors.shape[0]
+    if patience is None:
+        return num_c
+    best = torch.full_like(errors[0], float("inf"))
+    stale = 0
+    for i in range(num_c):
+        improved = bool((errors[i] < best).any())
+        best = torch.minimum(best, errors[i])
+        stale = 0 if improved else stale + 1
+        if stale >= patience:
+            return i + 1
+    return num_c
+
+
+def mse_search(
+    x_flat: torch.Tensor,
+    args: QuantizationArgs,
+    *,
+    maxshrink: float = 0.2,
+    grid: float = 100.0,
+    norm: float = 2.4,
+    patience: int | None = 5,
+    expand: float = 1.0,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    batch_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-qparam range minimizing the quantization error of `x_flat`.
+
+    Args:
+        x_flat: `(N, *Q, G)` finite values.
+        args: the quantization args.
+        maxshrink: largest fraction the range shrinks by.
+        grid: candidates per unit of shrink.
+        norm: exponent of the absolute error.
+        patience: early stop after this many non-improving candidates.
+        expand: the search starts at `expand` times the observed range.
+        chunk_elems: elements per temporary tensor.
+        batch_range: `minmax(x_flat)` when the caller has it already.
+
+    Returns:
+        `(min_vals, max_vals)`, each `(*Q,)` float32.
+    """
+    min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
+    min_vals, max_vals = min_vals * expand, max_vals * expand
+    factors = shrink_factors(maxshrink, grid).to(x_flat.device)
+    errors = candidate_errors(
+        x_flat, search_args(args), min_vals, max_vals, factors, norm, chunk_elems
+    )
+    stop = patience_stop(errors, patience)
+    best = factors[torch.argmin(errors[:stop], dim=0)]  # first minimum wins
+    return min_vals * best, max_vals * best

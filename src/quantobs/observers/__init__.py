@@ -1,0 +1,32 @@
+"""Observers: statistics + range selection, registered by name."""
+
+from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.minmax import (
+    MemorylessMinMaxObserver,
+    MinMaxObserver,
+    MovingAverageOptions,
+    StaticMinMaxObserver,
+)
+from quantobs.observers.mse import (
+    MemorylessMSEObserver,
+    MovingAverageMSEObserver,
+    MovingAverageMSEOptions,
+    MSEOptions,
+    StaticMSEObserver,
+    StaticMSEOptions,
+)
+
+__all__ = [
+    "MSEOptions",
+    "MemorylessMSEObserver",
+    "MemorylessMinMaxObserver",
+    "MinMaxObserver",
+    "MovingAverageMSEObserver",
+    "MovingAverageMSEOptions",
+    "MovingAverageOptions",
+    "Observer",
+    "ObserverOptions",
+    "StaticMSEObserver",
+    "StaticMSEOptions",
+    "StaticMinMaxObserver",
+]

@@ -1,0 +1,213 @@
+"""MSE observers: the range minimizing `sum |fake_quant(x) - x| ** norm`.
+
+=================  ==============================================  ===========
+name               statistic                                       merge
+=================  ==============================================  ===========
+``memoryless_mse`` MSE range of the latest batch                   latest wins
+``mse``            moving average of per-batch MSE ranges (0.01)   approximate
+``static_mse``     error of every candidate summed over batches    exact
+=================  ==============================================  ===========
+
+`static_mse` goes beyond llm-compressor: it keeps, per qparam and per
+candidate range, the error summed over every batch, so its range minimizes the
+error over all the calibration data. Candidates are shrink factors of a
+*reference* range: the first batch's min/max (times `expand`), or one set with
+`set_reference` (e.g. a min-max pass all-reduced across processes). Observers
+with the same reference merge exactly (sums of errors); data beyond the
+reference range is scored as clipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from quantobs.mse import (
+    DEFAULT_CHUNK_ELEMS,
+    candidate_errors,
+    mse_search,
+    search_args,
+    shrink_factors,
+)
+from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.stats import lerp_ranges, merge_moving_average, range_or_zero
+
+__all__ = [
+    "MSEOptions",
+    "MemorylessMSEObserver",
+    "MovingAverageMSEObserver",
+    "MovingAverageMSEOptions",
+    "StaticMSEObserver",
+    "StaticMSEOptions",
+]
+
+
+class _SearchOptions(ObserverOptions):
+    maxshrink: float = Field(0.2, gt=0.0, le=1.0)
+    grid: float = Field(100.0, gt=0.0)
+    norm: float = Field(2.4, gt=0.0)
+    expand: float = Field(1.0, ge=1.0)
+    chunk_elems: int = Field(DEFAULT_CHUNK_ELEMS, ge=1024)
+
+
+class MSEOptions(_SearchOptions):
+    """Options of the MSE search (llm-compressor's names and defaults).
+
+    Attributes:
+        maxshrink: largest fraction the range shrinks by, in (0, 1].
+        grid: candidates per unit of shrink (`int(maxshrink * grid)` in all).
+        norm: exponent of the absolute error (2.4).
+        patience: stop after this many candidates that improve no qparam
+            (`None`: score every candidate).
+        expand: start the search at `expand` times the observed range (>= 1).
+        triton_error_buffer: accepted for llm-compressor configs; it tunes
+            their CUDA kernel and has no effect here.
+        chunk_elems: elements per temporary tensor (bounds memory).
+    """
+
+    patience: int | None = Field(5, ge=0)
+    triton_error_buffer: float | None = Field(None, ge=0.0)
+
+
+class MovingAverageMSEOptions(MSEOptions):
+    """`MSEOptions` plus the moving-average weight of the newest batch."""
+
+    averaging_constant: float = Field(0.01, gt=0.0, le=1.0)
+
+
+class StaticMSEOptions(_SearchOptions):
+    """Search options of `static_mse` (every candidate is scored: no patience)."""
+
+
+def _search(
+    observer: Observer,
+    options: MSEOptions,
+    x_flat: torch.Tensor,
+    batch_range: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return mse_search(
+        x_flat,
+        observer.args,
+        maxshrink=options.maxshrink,
+        grid=options.grid,
+        norm=options.norm,
+        patience=options.patience,
+        expand=options.expand,
+        chunk_elems=options.chunk_elems,
+        batch_range=range_or_zero(*batch_range),
+    )
+
+
+@Observer.register("memoryless_mse")
+class MemorylessMSEObserver(Observer):
+    """MSE range of the latest batch only."""
+
+    Options = MSEOptions
+    options: MSEOptions
+
+    def _update_stats(
+        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        min_vals, max_vals = _search(self, self.options, x_flat, batch_range)
+        self._stats = {"min_vals": min_vals, "max_vals": max_vals}
+
+    def _merge_stats(self, other: Observer) -> None:
+        self._stats = {k: v.clone() for k, v in other._stats.items()}
+
+
+@Observer.register("mse")
+class MovingAverageMSEObserver(Observer):
+    """Moving average of per-batch MSE ranges (llm-compressor's `mse`)."""
+
+    Options = MovingAverageMSEOptions
+    options: MovingAverageMSEOptions
+
+    def _update_stats(
+        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        searched = _search(self, self.options, x_flat, batch_range)
+        if self._stats:
+            searched = lerp_ranges(
+                self._range(), searched, self.options.averaging_constant
+            )
+        self._stats = {"min_vals": searched[0], "max_vals": searched[1]}
+
+    def _merge_stats(self, other: Observer) -> None:
+        self._stats = {
+            key: merge_moving_average(
+                self._stats[key],
+                self.num_observations,
+                other._stats[key],
+                other.num_observations,
+            )
+            for key in ("min_vals", "max_vals")
+        }
+
+
+@Observer.register("static_mse")
+class StaticMSEObserver(Observer):
+    """Range minimizing the error summed over every batch (exact merge)."""
+
+    Options = StaticMSEOptions
+    options: StaticMSEOptions
+
+    def factors(self) -> torch.Tensor:
+        """`(C,)` shrink factors of the candidate ranges."""
+        return shrink_factors(self.options.maxshrink, self.options.grid)
+
+    @torch.no_grad()
+    def set_reference(self, min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+        """Fix the reference range the candidates shrink (before observing).
+
+        Raises:
+            RuntimeError: errors were already accumulated.
+        """
+        if self._stats:
+            raise RuntimeError(
+                "set_reference() must come before the first observation; call "
+                "reset() first"
+            )
+        min_vals, max_vals = min_vals.float(), max_vals.float()
+        num_c = self.factors().numel()
+        errors = torch.zeros(
+            num_c, *min_vals.shape, dtype=torch.float64, device=min_vals.device
+        )
+        self._stats = {
+            "ref_min": min_vals * self.options.expand,
+            "ref_max": max_vals * self.options.expand,
+            "errors": errors,
+        }
+
+    def _update_stats(
+        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        if not self._stats:
+            self.set_reference(*range_or_zero(*batch_range))
+        stats = self._stats
+        stats["errors"] += candidate_errors(
+            x_flat,
+            search_args(self.args),
+            stats["ref_min"],
+            stats["ref_max"],
+            self.factors().to(x_flat.device),
+            self.options.norm,
+            self.options.chunk_elems,
+        )
+
+    def _merge_stats(self, other: Observer) -> None:
+        mine, theirs = self._stats, other._stats
+        if not (
+            torch.equal(mine["ref_min"], theirs["ref_min"])
+            and torch.equal(mine["ref_max"], theirs["ref_max"])
+        ):
+            raise ValueError(
+                "static_mse observers with different reference ranges cannot "
+                "merge; give both the same set_reference(min_vals, max_vals) "
+                "before observing"
+            )
+        mine["errors"] = mine["errors"] + theirs["errors"]
+
+    def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = self._stats
+        best = self.factors().to(stats["errors"].device)[stats["errors"].argmin(dim=0)]
+        return stats["ref_min"] * best, stats["ref_max"] * best
