@@ -97,8 +97,13 @@ class Observer(torch.nn.Module):
         try:
             self.options = self.Options(**{**args.observer_kwargs, **observer_kwargs})
         except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg']}"
+                for e in err.errors()
+            )
             raise ValueError(
-                f"invalid options for observer {self.name!r}: {err}"
+                f"invalid options for observer {self.name!r}: {problems} "
+                f"(valid options: {', '.join(self.Options.model_fields)})"
             ) from None
         self._module = weakref.ref(module) if module is not None else None
         self._stats: Stats = {}
@@ -115,12 +120,13 @@ class Observer(torch.nn.Module):
         aliases = [alias] if isinstance(alias, str) else list(alias or [])
 
         def decorator(observer_cls: _O) -> _O:
-            observer_cls.name = name
-            for key in (name, *aliases):
-                normal = _registry_key(key)
+            keys = [(key, _registry_key(key)) for key in (name, *aliases)]
+            for key, normal in keys:
                 taken = cls._registry.get(normal)
                 if taken is not None and taken is not observer_cls:
                     raise ValueError(f"observer name {key!r} is already registered")
+            observer_cls.name = name
+            for key, normal in keys:
                 cls._registry[normal] = observer_cls
                 cls._names[normal] = key
             return observer_cls
