@@ -30,10 +30,11 @@ __all__ = ["FORMATS", "NumberFormat", "get_format", "int_format"]
 #     x >= 2**127  (including +inf)                ->  2**127
 #     NaN                                          ->  NaN
 
-# Native casts that are exact round-to-nearest-even on clamped float32 input.
-# Not float8_e8m0fnu: torch (and ml_dtypes) round every float32 subnormal in
-# (2**-127, 1.5 * 2**-127) up to 2**-126, though 2**-127 is nearer.
-_EXACT_NATIVE_CASTS = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Fast path for float32 input and float formats with a mantissa: round the
+# float32 bits directly (faster than torch's float8 casts, and it covers the
+# formats torch has no dtype for). Not float8_e8m0fnu (no mantissa bit; its
+# ties go up), which takes the generic path.
+_F32_MANTISSA_BITS = 23
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ class NumberFormat:
         Values beyond ``[min, max]``, including ``±inf``, become ``min`` /
         ``max``; float8_e8m0fnu has no zero, so values ``<= 2**-127`` become
         ``2**-127``. NaN stays NaN. Computes in float32 (float64 if ``x`` is
-        float64); float8_e4m3fn and float8_e5m2 use torch's cast after
-        clamping.
+        float64); float32 input to a format with mantissa bits is rounded on
+        its bit pattern (see ``_round_float32_bits``).
 
         Args:
             x: Floating-point tensor.
@@ -137,13 +138,29 @@ class NumberFormat:
             raise TypeError(f"round needs a floating-point tensor, got {x.dtype}")
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         y = x.to(work)
-        native = self.torch_dtype
-        if native in _EXACT_NATIVE_CASTS and work == torch.float32:
-            # Not from float64: torch casts it via float32, rounding twice.
-            out = y.clamp(self.min, self.max).to(native).to(work)
+        if work == torch.float32 and self.is_float and self.mantissa_bits > 0:
+            out = self._round_float32_bits(y)
         else:
             out = self._round_generic(y)
         return out.to(x.dtype)
+
+    def _round_float32_bits(self, y: torch.Tensor) -> torch.Tensor:
+        """Exact round-to-nearest-even of float32 to a signed float format.
+
+        Normal results: add half a target ulp (minus one, plus the kept LSB for
+        ties to even) to the float32 bit pattern and clear the dropped bits.
+        Subnormal results share one quantum q: `(a + q * 2**23) - q * 2**23`
+        rounds `a < q * 2**23` to a multiple of q in float32 (ties to even).
+        """
+        a = y.abs().clamp_(max=self.max)  # saturate first: no carry past max
+        drop = _F32_MANTISSA_BITS - self.mantissa_bits
+        bits = a.view(torch.int32)
+        half_ulp = ((bits >> drop) & 1) + ((1 << (drop - 1)) - 1)
+        normal = ((bits + half_ulp) & ~((1 << drop) - 1)).view(torch.float32)
+        magic = self.min_subnormal * float(1 << _F32_MANTISSA_BITS)
+        subnormal = (a + magic) - magic
+        out = torch.where(a < self.min_normal, subnormal, normal)
+        return out.copysign_(y)
 
     def _round_generic(self, y: torch.Tensor) -> torch.Tensor:
         """Exact round-to-nearest of a float32/float64 tensor, without casts."""
