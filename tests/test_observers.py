@@ -563,3 +563,21 @@ def test_scales_finite_and_positive(
     assert torch.isfinite(scale).all() and (scale > 0).all()
     qmin, qmax = calculate_range(args)
     assert ((zero_point.float() >= qmin) & (zero_point.float() <= qmax)).all()
+
+
+def test_get_observer_token_count() -> None:
+    from quantobs.observers import get_observer_token_count
+
+    class Expert(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_observer = _named("static_minmax", base_name="input")
+            self.weight_observer = _named("static_minmax")
+
+    model = torch.nn.ModuleDict({"a": Expert(), "b": Expert()})
+    model["a"].input_observer.update(torch.randn(7, 8))
+    model["a"].input_observer.update(torch.randn(3, 8))
+    model["b"].input_observer.update(torch.randn(1, 4, 8))  # 3-D: not counted
+    model["a"].weight_observer.update(torch.randn(4, 8))
+    assert get_observer_token_count(model) == {"a": 10, "b": 0}
+    assert get_observer_token_count(model, "weight") == {"a": 4, "b": 0}

@@ -1,6 +1,7 @@
 """Observers: statistics + range selection, registered by name."""
 
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.helpers import get_observer_token_count
 from quantobs.observers.minmax import (
     MemorylessMinMaxObserver,
     MinMaxObserver,
@@ -29,4 +30,5 @@ __all__ = [
     "StaticMSEObserver",
     "StaticMSEOptions",
     "StaticMinMaxObserver",
+    "get_observer_token_count",
 ]
