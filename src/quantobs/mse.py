@@ -18,7 +18,6 @@ import torch
 
 from quantobs.args import QuantizationArgs
 from quantobs.qparams import calculate_qparams
-from quantobs.quantize import _from_codes, _to_codes
 from quantobs.stats import minmax
 
 __all__ = [
@@ -60,10 +59,18 @@ def _errors_of_chunk(
     cand_max = max_vals[None, :] * factors[:, None]
     scale, zero_point = calculate_qparams(cand_min, cand_max, args)
     scale = scale[:, None, :, None]  # (C, 1, Qc, 1)
-    zp = None if args.symmetric else zero_point[:, None, :, None]
     x_c = x.to(torch.float32)[None]  # (1, N, Qc, G)
-    codes = _to_codes(x_c, scale, zp, args)
-    err = (_from_codes(codes, scale, zp) - x_c).abs_().pow_(norm)
+    fmt = args.format
+    # fake_quantize's arithmetic, in place on one (C, N, Qc, G) temporary.
+    values = x_c / scale
+    zp = None if args.symmetric else zero_point[:, None, :, None].to(torch.float32)
+    if zp is not None:
+        values.add_(zp)
+    values.clamp_(fmt.min, fmt.max)
+    values = values.round_() if not fmt.is_float else fmt.round(values)
+    if zp is not None:
+        values.sub_(zp)
+    err = values.mul_(scale).sub_(x_c).abs_().pow_(norm)
     return err.sum(dim=(1, 3), dtype=torch.float32).to(torch.float64)
 
 
@@ -121,23 +128,34 @@ def candidate_errors(
     return errors.reshape(num_c, *qshape)
 
 
-def patience_stop(errors: torch.Tensor, patience: int | None) -> int:
-    """How many candidates llm-compressor's loop scores before it stops.
+class _Patience:
+    """llm-compressor's early stop, fed one candidate's errors at a time.
 
-    It stops after `patience` consecutive candidates that improve no qparam.
+    The loop stops after `patience` consecutive candidates that improve no
+    qparam (strictly lower error); `None` never stops.
     """
-    num_c = errors.shape[0]
-    if patience is None:
-        return num_c
-    best = torch.full_like(errors[0], float("inf"))
-    stale = 0
-    for i in range(num_c):
-        improved = bool((errors[i] < best).any())
-        best = torch.minimum(best, errors[i])
-        stale = 0 if improved else stale + 1
-        if stale >= patience:
+
+    def __init__(self, patience: int | None) -> None:
+        self.patience = patience
+        self.best: torch.Tensor | None = None
+        self.stale = 0
+
+    def stops_after(self, errors: torch.Tensor) -> bool:
+        if self.patience is None:
+            return False
+        improved = self.best is None or bool((errors < self.best).any())
+        self.best = errors if self.best is None else torch.minimum(self.best, errors)
+        self.stale = 0 if improved else self.stale + 1
+        return self.stale >= self.patience
+
+
+def patience_stop(errors: torch.Tensor, patience: int | None) -> int:
+    """How many of the `(C, *Q)` candidates llm-compressor's loop scores."""
+    rule = _Patience(patience)
+    for i in range(errors.shape[0]):
+        if rule.stops_after(errors[i]):
             return i + 1
-    return num_c
+    return errors.shape[0]
 
 
 def mse_search(
@@ -171,9 +189,27 @@ def mse_search(
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
     min_vals, max_vals = min_vals * expand, max_vals * expand
     factors = shrink_factors(maxshrink, grid).to(x_flat.device)
-    errors = candidate_errors(
-        x_flat, search_args(args), min_vals, max_vals, factors, norm, chunk_elems
-    )
-    stop = patience_stop(errors, patience)
-    best = factors[torch.argmin(errors[:stop], dim=0)]  # first minimum wins
+    scoring = search_args(args)
+    # Score candidates in blocks so an early stop skips the rest.
+    block = factors.numel() if patience is None else max(1, patience)
+    rule, scored = _Patience(patience), []
+    for c0 in range(0, factors.numel(), block):
+        errors = candidate_errors(
+            x_flat,
+            scoring,
+            min_vals,
+            max_vals,
+            factors[c0 : c0 + block],
+            norm,
+            chunk_elems,
+        )
+        stop = next(
+            (i + 1 for i in range(errors.shape[0]) if rule.stops_after(errors[i])),
+            None,
+        )
+        scored.append(errors if stop is None else errors[:stop])
+        if stop is not None:
+            break
+    all_errors = torch.cat(scored)
+    best = factors[torch.argmin(all_errors, dim=0)]  # first minimum wins
     return min_vals * best, max_vals * best
