@@ -22,8 +22,10 @@ from quantobs.args import QuantizationArgs
 
 __all__ = [
     "BASE_NAMES",
+    "block_view",
     "check_supported",
     "flatten_for_calibration",
+    "num_observations_of",
     "qparam_shape",
     "validate_g_idx",
 ]
@@ -139,21 +141,25 @@ def _flatten_weight(
             value = value.index_select(-1, perm)
         # (1, rows, num_groups, group_size)
         return value.unflatten(-1, (num_groups, group_size)).unsqueeze(0)
-    # block: zero-pad to whole blocks, as llm-compressor does.
+    # (1, num_block_rows, num_block_cols, block_rows * block_cols)
+    return block_view(value, args).transpose(1, 2).flatten(-2, -1).unsqueeze(0)
+
+
+def block_view(value: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """A 2-D weight as `(num_block_rows, block_rows, num_block_cols, block_cols)`.
+
+    Zero-padded to whole blocks, as llm-compressor does; a view when no
+    padding is needed. Reducing it over dims `(1, 3)` gives one value per
+    block without the copy that the canonical block layout needs.
+    """
+    _check_ndim(value, "weight", "2-D (rows, cols)", value.ndim == 2)
     block_rows, block_cols = _block_structure(args)
     rows, cols = value.shape
     pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
     if pad_rows or pad_cols:
         value = F.pad(value, (0, pad_cols, 0, pad_rows))
     num_block_rows = (rows + pad_rows) // block_rows
-    num_block_cols = (cols + pad_cols) // block_cols
-    # (1, num_block_rows, num_block_cols, block_rows * block_cols)
-    return (
-        value.reshape(num_block_rows, block_rows, num_block_cols, block_cols)
-        .transpose(1, 2)
-        .flatten(-2, -1)
-        .unsqueeze(0)
-    )
+    return value.reshape(num_block_rows, block_rows, -1, block_cols)
 
 
 def _flatten_activation(
@@ -227,6 +233,14 @@ def flatten_for_calibration(
     if kind == "activation":
         return _flatten_activation(value, base_name, args)
     return _flatten_attention(value, base_name, args)
+
+
+def num_observations_of(
+    shape: tuple[int, ...] | torch.Size, base_name: str, args: QuantizationArgs
+) -> int:
+    """`num_observations` (dim 0 of the layout) for a tensor shape."""
+    meta = torch.empty(tuple(shape), device="meta")
+    return int(flatten_for_calibration(meta, base_name, args).shape[0])
 
 
 def qparam_shape(

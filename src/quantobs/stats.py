@@ -14,12 +14,17 @@ NaN policy (what an observer does with non-finite inputs)::
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
+from quantobs.args import QuantizationArgs
+from quantobs.layout import block_view, flatten_for_calibration
+
 __all__ = [
     "NanPolicy",
+    "Range",
     "count_nonfinite",
     "drop_nonfinite",
     "lerp",
@@ -27,11 +32,13 @@ __all__ = [
     "merge_minmax",
     "merge_moving_average",
     "minmax",
+    "minmax_of",
     "minmax_omit_nonfinite",
     "range_or_zero",
 ]
 
 NanPolicy = Literal["raise", "omit"]
+Range = tuple[torch.Tensor, torch.Tensor]  # (min_vals, max_vals)
 
 
 def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,9 +47,32 @@ def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     NaN propagates (any NaN in a group gives NaN there), so callers can test
     the small result for non-finite values instead of the whole input.
     """
+    qshape = x_flat.shape[1:-1]
+    if math.prod(qshape) == 1:  # one qparam: a single pass, the floor
+        min_vals, max_vals = torch.aminmax(x_flat)
+        return min_vals.float().reshape(qshape), max_vals.float().reshape(qshape)
     min_vals = torch.amin(x_flat, dim=(0, -1)).to(torch.float32)
     max_vals = torch.amax(x_flat, dim=(0, -1)).to(torch.float32)
     return min_vals, max_vals
+
+
+def minmax_of(
+    value: torch.Tensor,
+    base_name: str,
+    args: QuantizationArgs,
+    g_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`minmax(flatten_for_calibration(value, ...))`, skipping layout copies.
+
+    Block weights are reduced on their 4-D block view (the canonical layout
+    would copy the whole weight first); everything else uses the layout view.
+    """
+    if base_name == "weight" and args.strategy == "block":
+        blocks = block_view(value, args)  # (BR, block_rows, BC, block_cols)
+        min_vals = blocks.amin(dim=-1).amin(dim=1).to(torch.float32)
+        max_vals = blocks.amax(dim=-1).amax(dim=1).to(torch.float32)
+        return min_vals, max_vals
+    return minmax(flatten_for_calibration(value, base_name, args, g_idx))
 
 
 def minmax_omit_nonfinite(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

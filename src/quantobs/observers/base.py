@@ -23,13 +23,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quantobs.args import QuantizationArgs
-from quantobs.layout import check_supported, flatten_for_calibration
+from quantobs.layout import (
+    check_supported,
+    flatten_for_calibration,
+    num_observations_of,
+)
 from quantobs.qparams import calculate_qparams, generate_gparam
 from quantobs.stats import (
     NanPolicy,
+    Range,
     count_nonfinite,
     drop_nonfinite,
     minmax,
+    minmax_of,
     minmax_omit_nonfinite,
     range_or_zero,
 )
@@ -75,6 +81,8 @@ class Observer(torch.nn.Module):
 
     Options: ClassVar[type[ObserverOptions]] = ObserverOptions
     name: ClassVar[str] = "observer"
+    #: Whether `_update_stats` reads the batch's values (MSE) or only its range.
+    needs_values: ClassVar[bool] = True
     _registry: ClassVar[dict[str, type[Observer]]] = {}
     _names: ClassVar[dict[str, str]] = {}
 
@@ -156,10 +164,12 @@ class Observer(torch.nn.Module):
 
     # ------------------------------------------------------- subclass hooks
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        """Fold one batch into `self._stats` (`batch_range` = its finite min/max)."""
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
+        """Fold one batch into `self._stats`.
+
+        `batch_range` is the batch's finite min/max; `x_flat` its values in the
+        canonical layout when `needs_values` (else None).
+        """
         raise NotImplementedError  # pragma: no cover - abstract
 
     def _merge_stats(self, other: Observer) -> None:
@@ -198,31 +208,44 @@ class Observer(torch.nn.Module):
             observed, self.base_name, self.args, self._g_idx()
         )
 
-    def _batch_range(
-        self, x_flat: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Min/max of a batch under the NaN policy; also the values to score."""
-        min_vals, max_vals = minmax(x_flat)
-        if torch.isfinite(min_vals).all() and torch.isfinite(max_vals).all():
-            return min_vals, max_vals, x_flat
-        if self.options.nan_policy == "raise":
-            bad = count_nonfinite(x_flat)
-            raise ValueError(
-                f"observer {self.name!r} for {self.base_name!r} got {bad} "
-                "non-finite value(s) (NaN or inf); fix the input or pass "
-                "nan_policy='omit' to ignore them"
-            )
-        min_vals, max_vals = minmax_omit_nonfinite(x_flat)
-        return min_vals, max_vals, drop_nonfinite(x_flat)
+    def _fold(
+        self,
+        batch_range: tuple[torch.Tensor, torch.Tensor],
+        x_flat: torch.Tensor | None,
+        observed: torch.Tensor,
+    ) -> None:
+        """Apply the NaN policy to a batch, check its shape, update the stats.
 
-    def _count(self, observed: torch.Tensor, x_flat: torch.Tensor) -> None:
-        self.num_observations += x_flat.shape[0]
+        `batch_range` is the batch's min/max (NaN propagates into it, so only
+        this small result is checked); `x_flat` is the batch in the canonical
+        layout when the statistic reads values (else None).
+        """
+        min_vals, max_vals = batch_range
+        if not (torch.isfinite(min_vals).all() and torch.isfinite(max_vals).all()):
+            if self.options.nan_policy == "raise":
+                raise ValueError(
+                    f"observer {self.name!r} for {self.base_name!r} got "
+                    f"{count_nonfinite(observed)} non-finite value(s) (NaN or "
+                    "inf); fix the input or pass nan_policy='omit' to ignore them"
+                )
+            values = x_flat if x_flat is not None else self.flatten(observed)
+            min_vals, max_vals = minmax_omit_nonfinite(values)
+            x_flat = drop_nonfinite(values) if self.needs_values else None
+        if self._stats and self._range()[0].shape != min_vals.shape:
+            raise ValueError(
+                f"observer {self.name!r}: qparam shape changed from "
+                f"{tuple(self._range()[0].shape)} to {tuple(min_vals.shape)}; "
+                "call reset() before observing a differently shaped tensor"
+            )
+        self._update_stats(x_flat, (min_vals, max_vals))
+
+    def _count(self, observed: torch.Tensor, num_observations: int) -> None:
+        self.num_observations += num_observations
         # llm-compressor's rule: only 2-D inputs (tokens, features), as MoE
         # experts receive, are counted as tokens.
         if observed.ndim == 2:
-            self.num_observed_tokens = (self.num_observed_tokens or 0) + observed.shape[
-                0
-            ]
+            tokens = observed.shape[0]
+            self.num_observed_tokens = (self.num_observed_tokens or 0) + tokens
 
     @torch.no_grad()
     def update(self, observed: torch.Tensor) -> None:
@@ -243,19 +266,23 @@ class Observer(torch.nn.Module):
             )
         if observed.numel() == 0:
             return
-        x_flat = self.flatten(observed)
-        self._update_flat(x_flat)
-        self._count(observed, x_flat)
+        if self.needs_values:
+            values = self.flatten(observed)
+            batch_range, x_flat = minmax(values), values
+            num_observations = values.shape[0]
+        else:
+            # Range-only statistics skip the layout copy (block) where they can.
+            x_flat = None
+            g_idx = self._g_idx()
+            batch_range = minmax_of(observed, self.base_name, self.args, g_idx)
+            num_observations = num_observations_of(
+                observed.shape, self.base_name, self.args
+            )
+        self._fold(batch_range, x_flat, observed)
+        self._count(observed, num_observations)
 
     def _update_flat(self, x_flat: torch.Tensor) -> None:
-        min_vals, max_vals, x_flat = self._batch_range(x_flat)
-        if self._stats and self._range()[0].shape != min_vals.shape:
-            raise ValueError(
-                f"observer {self.name!r}: qparam shape changed from "
-                f"{tuple(self._range()[0].shape)} to {tuple(min_vals.shape)}; "
-                "call reset() before observing a differently shaped tensor"
-            )
-        self._update_stats(x_flat, (min_vals, max_vals))
+        self._fold(minmax(x_flat), x_flat if self.needs_values else None, x_flat)
 
     def _require_stats(self) -> None:
         if not self._stats:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.stats import lerp_ranges, merge_minmax, merge_moving_average
+from quantobs.stats import Range, lerp_ranges, merge_minmax, merge_moving_average
 
 __all__ = [
     "MemorylessMinMaxObserver",
@@ -43,9 +43,9 @@ class MovingAverageOptions(ObserverOptions):
 class MemorylessMinMaxObserver(Observer):
     """Min/max of the latest batch only (weights, dynamic activations)."""
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    needs_values = False
+
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         self._stats = {"min_vals": batch_range[0], "max_vals": batch_range[1]}
 
     def _merge_stats(self, other: Observer) -> None:
@@ -57,9 +57,9 @@ class MemorylessMinMaxObserver(Observer):
 class StaticMinMaxObserver(Observer):
     """Min/max over every batch; merges exactly across batches and processes."""
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    needs_values = False
+
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         if self._stats:
             batch_range = merge_minmax(self._range(), batch_range)
         self._stats = {"min_vals": batch_range[0], "max_vals": batch_range[1]}
@@ -73,12 +73,12 @@ class StaticMinMaxObserver(Observer):
 class MinMaxObserver(Observer):
     """Moving average of per-batch min/max: `avg += c * (batch - avg)`."""
 
+    needs_values = False
+
     Options = MovingAverageOptions
     options: MovingAverageOptions
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         if self._stats:
             c = self.options.averaging_constant
             batch_range = lerp_ranges(self._range(), batch_range, c)

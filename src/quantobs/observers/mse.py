@@ -30,7 +30,7 @@ from quantobs.mse import (
     shrink_factors,
 )
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.stats import lerp_ranges, merge_moving_average, range_or_zero
+from quantobs.stats import Range, lerp_ranges, merge_moving_average, range_or_zero
 
 __all__ = [
     "MSEOptions",
@@ -79,14 +79,20 @@ class StaticMSEOptions(_SearchOptions):
     """Search options of `static_mse` (every candidate is scored: no patience)."""
 
 
+def _values(x_flat: torch.Tensor | None) -> torch.Tensor:
+    if x_flat is None:  # pragma: no cover - needs_values guarantees values
+        raise RuntimeError("MSE observers score values; none were given")
+    return x_flat
+
+
 def _search(
     observer: Observer,
     options: MSEOptions,
-    x_flat: torch.Tensor,
+    x_flat: torch.Tensor | None,
     batch_range: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return mse_search(
-        x_flat,
+        _values(x_flat),
         observer.args,
         maxshrink=options.maxshrink,
         grid=options.grid,
@@ -105,9 +111,7 @@ class MemorylessMSEObserver(Observer):
     Options = MSEOptions
     options: MSEOptions
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         min_vals, max_vals = _search(self, self.options, x_flat, batch_range)
         self._stats = {"min_vals": min_vals, "max_vals": max_vals}
 
@@ -122,9 +126,7 @@ class MovingAverageMSEObserver(Observer):
     Options = MovingAverageMSEOptions
     options: MovingAverageMSEOptions
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         searched = _search(self, self.options, x_flat, batch_range)
         if self._stats:
             searched = lerp_ranges(
@@ -178,18 +180,17 @@ class StaticMSEObserver(Observer):
             "errors": errors,
         }
 
-    def _update_stats(
-        self, x_flat: torch.Tensor, batch_range: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
+    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         if not self._stats:
             self.set_reference(*range_or_zero(*batch_range))
         stats = self._stats
+        values = _values(x_flat)
         stats["errors"] += candidate_errors(
-            x_flat,
+            values,
             search_args(self.args),
             stats["ref_min"],
             stats["ref_max"],
-            self.factors().to(x_flat.device),
+            self.factors().to(values.device),
             self.options.norm,
             self.options.chunk_elems,
         )
