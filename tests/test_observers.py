@@ -581,3 +581,44 @@ def test_get_observer_token_count() -> None:
     model["a"].weight_observer.update(torch.randn(4, 8))
     assert get_observer_token_count(model) == {"a": 10, "b": 0}
     assert get_observer_token_count(model, "weight") == {"a": 4, "b": 0}
+
+
+@pytest.mark.parametrize("name", ["memoryless_mse", "static_mse"])
+def test_round_scales_scores_the_stored_nvfp4_scales(name: str) -> None:
+    # llm-compressor searches NVFP4 ranges with unrounded group scales and no
+    # global scale; round_scales=True scores what will be stored, so the
+    # real error of the result can only be lower or equal, group by group.
+    args = QuantizationArgs(**_NVFP4)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    w[0, 0] = 8.0  # an outlier sets the global scale
+
+    def group_errors(observer: Observer) -> torch.Tensor:
+        scale, zero_point = observer.get_qparams()
+        gs = observer.get_global_scale()
+        err = (fake_quantize(w, scale, zero_point, args, global_scale=gs) - w).abs()
+        return (err**2.4).reshape(64, 16, 16).sum(-1)
+
+    plain = _named(
+        name, args=args, **({} if name == "static_mse" else {"patience": None})
+    )
+    rounded = _named(
+        name,
+        args=args,
+        round_scales=True,
+        **({} if name == "static_mse" else {"patience": None}),
+    )
+    plain.update(w)
+    rounded.update(w)
+    assert torch.equal(plain.get_global_scale(), rounded.get_global_scale())
+    better = group_errors(rounded) <= group_errors(plain) * (1 + 1e-6)
+    assert better.all()
+    assert group_errors(rounded).sum() < group_errors(plain).sum()
+
+
+def test_set_reference_validation() -> None:
+    observer = _named("static_mse", base_name="input")
+    assert isinstance(observer, StaticMSEObserver)
+    with pytest.raises(ValueError, match="needs finite"):
+        observer.set_reference(torch.tensor([float("nan")]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="min_vals <= max_vals"):
+        observer.set_reference(torch.tensor([2.0]), torch.tensor([1.0]))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from quantobs.args import QuantizationArgs
-from quantobs.qparams import calculate_qparams
+from quantobs.qparams import calculate_qparams, generate_gparam
 from quantobs.stats import minmax
 
 __all__ = [
@@ -39,9 +39,16 @@ def shrink_factors(maxshrink: float, grid: float) -> torch.Tensor:
     return torch.tensor([1 - i / grid for i in range(steps)], dtype=torch.float32)
 
 
-def search_args(args: QuantizationArgs) -> QuantizationArgs:
-    """The args candidates are scored with: NVFP4 group scales stay unrounded."""
-    if args.strategy == "tensor_group" and args.scale_dtype is not None:
+def search_args(args: QuantizationArgs, round_scales: bool = False) -> QuantizationArgs:
+    """The args candidates are scored with.
+
+    llm-compressor scores NVFP4 candidates with unrounded group scales and no
+    global scale; `round_scales=True` keeps `scale_dtype`, so candidates are
+    scored with the FP8 group scales they will be stored with (pass the
+    global scale to `candidate_errors` then).
+    """
+    tensor_group = args.strategy == "tensor_group"
+    if tensor_group and args.scale_dtype is not None and not round_scales:
         return args.model_copy(update={"scale_dtype": None})
     return args
 
@@ -53,11 +60,14 @@ def _errors_of_chunk(
     factors: torch.Tensor,
     args: QuantizationArgs,
     norm: float,
+    global_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     # x: (N, Qc, G); min_vals, max_vals: (Qc,); factors: (C,) -> errors (C, Qc)
     cand_min = min_vals[None, :] * factors[:, None]  # (C, Qc)
     cand_max = max_vals[None, :] * factors[:, None]
-    scale, zero_point = calculate_qparams(cand_min, cand_max, args)
+    scale, zero_point = calculate_qparams(cand_min, cand_max, args, global_scale)
+    if global_scale is not None:
+        scale = scale / global_scale  # fake_quantize's effective scale
     scale = scale[:, None, :, None]  # (C, 1, Qc, 1)
     x_c = x.to(torch.float32)[None]  # (1, N, Qc, G)
     fmt = args.format
@@ -82,6 +92,7 @@ def candidate_errors(
     factors: torch.Tensor,
     norm: float = 2.4,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Error of every candidate range for every qparam.
 
@@ -93,6 +104,8 @@ def candidate_errors(
         factors: `(C,)` float32 shrink factors.
         norm: exponent of the absolute error.
         chunk_elems: elements per temporary tensor.
+        global_scale: optional `(1,)` NVFP4 global scale the candidates'
+            scales are computed and applied with.
 
     Returns:
         `(C, *Q)` float64 errors `sum |fake_quant(x) - x| ** norm` over N, G.
@@ -110,7 +123,13 @@ def candidate_errors(
         q1 = min(num_q, q0 + q_step)
         if per_qparam <= chunk_elems:
             errors[:, q0:q1] = _errors_of_chunk(
-                x3[:, q0:q1], mins[q0:q1], maxs[q0:q1], factors, args, norm
+                x3[:, q0:q1],
+                mins[q0:q1],
+                maxs[q0:q1],
+                factors,
+                args,
+                norm,
+                global_scale,
             )
             continue
         # One qparam is too large for a chunk: score its values piece by piece.
@@ -124,6 +143,7 @@ def candidate_errors(
                 factors,
                 args,
                 norm,
+                global_scale,
             )
     return errors.reshape(num_c, *qshape)
 
@@ -169,6 +189,7 @@ def mse_search(
     expand: float = 1.0,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     batch_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    round_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-qparam range minimizing the quantization error of `x_flat`.
 
@@ -182,6 +203,9 @@ def mse_search(
         expand: the search starts at `expand` times the observed range.
         chunk_elems: elements per temporary tensor.
         batch_range: `minmax(x_flat)` when the caller has it already.
+        round_scales: score NVFP4 candidates with FP8-rounded group scales
+            under the global scale of the observed range (llm-compressor
+            ignores both while searching).
 
     Returns:
         `(min_vals, max_vals)`, each `(*Q,)` float32.
@@ -189,7 +213,10 @@ def mse_search(
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
     min_vals, max_vals = min_vals * expand, max_vals * expand
     factors = shrink_factors(maxshrink, grid).to(x_flat.device)
-    scoring = search_args(args)
+    scoring = search_args(args, round_scales)
+    global_scale = None
+    if round_scales and args.strategy == "tensor_group":
+        global_scale = generate_gparam(min_vals.min(), max_vals.max())
     # Score candidates in blocks so an early stop skips the rest.
     block = factors.numel() if patience is None else max(1, patience)
     rule, scored = _Patience(patience), []
@@ -202,6 +229,7 @@ def mse_search(
             factors[c0 : c0 + block],
             norm,
             chunk_elems,
+            global_scale,
         )
         stop = next(
             (i + 1 for i in range(errors.shape[0]) if rule.stops_after(errors[i])),

@@ -307,8 +307,13 @@ class Observer(torch.nn.Module):
         """
         if observed is not None:
             self.update(observed)
-        min_vals, max_vals = self.get_range()
+        self._require_stats()
+        min_vals, max_vals = range_or_zero(*self._global_range())
         return generate_gparam(min_vals.min().reshape(1), max_vals.max().reshape(1))
+
+    def _global_range(self) -> Range:
+        """The ranges the global scale is computed from (the selected ones)."""
+        return self._range()
 
     def get_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(scale, zero_point)` from the statistics, each `(*qparam_shape,)`.

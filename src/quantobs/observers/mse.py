@@ -30,6 +30,7 @@ from quantobs.mse import (
     shrink_factors,
 )
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.qparams import generate_gparam
 from quantobs.stats import Range, lerp_ranges, merge_moving_average, range_or_zero
 
 __all__ = [
@@ -48,6 +49,7 @@ class _SearchOptions(ObserverOptions):
     norm: float = Field(2.4, gt=0.0)
     expand: float = Field(1.0, ge=1.0)
     chunk_elems: int = Field(DEFAULT_CHUNK_ELEMS, ge=1024)
+    round_scales: bool = False
 
 
 class MSEOptions(_SearchOptions):
@@ -63,6 +65,9 @@ class MSEOptions(_SearchOptions):
         triton_error_buffer: accepted for llm-compressor configs; it tunes
             their CUDA kernel and has no effect here.
         chunk_elems: elements per temporary tensor (bounds memory).
+        round_scales: NVFP4 only: score candidates with the FP8-rounded group
+            scales and the global scale they will be stored with
+            (llm-compressor scores unrounded scales and no global scale).
     """
 
     patience: int | None = Field(5, ge=0)
@@ -101,6 +106,7 @@ def _search(
         expand=options.expand,
         chunk_elems=options.chunk_elems,
         batch_range=range_or_zero(*batch_range),
+        round_scales=options.round_scales,
     )
 
 
@@ -114,6 +120,16 @@ class MemorylessMSEObserver(Observer):
     def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         min_vals, max_vals = _search(self, self.options, x_flat, batch_range)
         self._stats = {"min_vals": min_vals, "max_vals": max_vals}
+        if self.options.round_scales:
+            # The search assumed the global scale of the observed range.
+            expand = self.options.expand
+            self._stats["observed_min"] = batch_range[0] * expand
+            self._stats["observed_max"] = batch_range[1] * expand
+
+    def _global_range(self) -> Range:
+        if "observed_min" in self._stats:
+            return self._stats["observed_min"], self._stats["observed_max"]
+        return self._range()
 
     def _merge_stats(self, other: Observer) -> None:
         self._stats = {k: v.clone() for k, v in other._stats.items()}
@@ -170,6 +186,12 @@ class StaticMSEObserver(Observer):
                 "reset() first"
             )
         min_vals, max_vals = min_vals.float(), max_vals.float()
+        if not (torch.isfinite(min_vals).all() and torch.isfinite(max_vals).all()):
+            raise ValueError("set_reference() needs finite min_vals and max_vals")
+        if min_vals.shape != max_vals.shape or (min_vals > max_vals).any():
+            raise ValueError(
+                "set_reference() needs min_vals <= max_vals of the same shape"
+            )
         num_c = self.factors().numel()
         errors = torch.zeros(
             num_c, *min_vals.shape, dtype=torch.float64, device=min_vals.device
@@ -179,6 +201,10 @@ class StaticMSEObserver(Observer):
             "ref_max": max_vals * self.options.expand,
             "errors": errors,
         }
+        if self.options.round_scales and self.args.strategy == "tensor_group":
+            self._stats["global_scale"] = generate_gparam(
+                self._stats["ref_min"].min(), self._stats["ref_max"].max()
+            )
 
     def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         if not self._stats:
@@ -187,12 +213,13 @@ class StaticMSEObserver(Observer):
         values = _values(x_flat)
         stats["errors"] += candidate_errors(
             values,
-            search_args(self.args),
+            search_args(self.args, self.options.round_scales),
             stats["ref_min"],
             stats["ref_max"],
             self.factors().to(values.device),
             self.options.norm,
             self.options.chunk_elems,
+            stats.get("global_scale"),
         )
 
     def _merge_stats(self, other: Observer) -> None:
@@ -207,6 +234,11 @@ class StaticMSEObserver(Observer):
                 "before observing"
             )
         mine["errors"] = mine["errors"] + theirs["errors"]
+
+    def _global_range(self) -> Range:
+        if self.options.round_scales:  # the search used the reference's scale
+            return self._stats["ref_min"], self._stats["ref_max"]
+        return self._range()
 
     def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
         stats = self._stats
