@@ -225,8 +225,10 @@ class Observer(torch.nn.Module):
 
     @classmethod
     def load_from_registry(cls, name: str, **constructor_kwargs: Any) -> Observer:
-        """Construct the observer registered as `name`, e.g.
-        `Observer.load_from_registry("minmax", quantization_args=args)`."""
+        """Construct the observer registered as `name` with `constructor_kwargs`.
+
+        Example: `Observer.load_from_registry("minmax", quantization_args=args)`.
+        """
         return cls.get_value_from_registry(name)(**constructor_kwargs)
 
     # ---------------------------------------------------------- legacy API
@@ -428,6 +430,7 @@ class _RangeObserver(Observer):
         out_shape = tuple(x_grouped.shape[:2])  # (rows, num_groups)
         return self._observe(x_flat, out_shape, GROUPS_ID, True, global_scale)
 
+    @torch.no_grad()
     def _observe(
         self,
         x_flat: torch.Tensor,
