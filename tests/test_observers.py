@@ -622,3 +622,24 @@ def test_set_reference_validation() -> None:
         observer.set_reference(torch.tensor([float("nan")]), torch.tensor([1.0]))
     with pytest.raises(ValueError, match="min_vals <= max_vals"):
         observer.set_reference(torch.tensor([2.0]), torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("name", ["minmax", "mse"])
+def test_moving_average_merge_is_count_weighted(name: str) -> None:
+    a = _named(name, base_name="input", averaging_constant=1.0)
+    b = _named(name, base_name="input", averaging_constant=1.0)
+    a.update(torch.tensor([[-1.0, 1.0]]))  # one observation
+    b.update(torch.tensor([[-4.0, 4.0], [0.0, 0.5], [0.1, 0.2]]))  # three
+    a_range, b_range = a.get_range(), b.get_range()
+    merged = a.merge(b)
+    assert merged.num_observations == 4
+    expected = (a_range[1] * 1 + b_range[1] * 3) / 4
+    assert torch.allclose(merged.get_range()[1], expected)
+
+
+@pytest.mark.parametrize("name", ["memoryless_minmax", "memoryless_mse"])
+def test_memoryless_merge_keeps_the_later_batch(name: str) -> None:
+    a, b = _named(name, base_name="input"), _named(name, base_name="input")
+    a.update(torch.tensor([[-1.0, 1.0]]))
+    b.update(torch.tensor([[-3.0, 2.0]]))
+    assert torch.equal(a.merge(b).get_range()[0], b.get_range()[0])

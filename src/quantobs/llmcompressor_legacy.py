@@ -37,17 +37,17 @@ Differences from the legacy code, each deliberate:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Hashable, Iterable
 from typing import Annotated, Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quantobs.args import QuantizationArgs
 from quantobs.layout import flatten_for_calibration
 from quantobs.mse import candidate_errors, search_args, shrink_factors
 from quantobs.qparams import calculate_qparams
+from quantobs.registry import Registry, validate_options
 
 __all__ = [
     "GROUPS_ID",
@@ -72,11 +72,6 @@ class ObserverOptions(BaseModel):
     """Options of an observer; the base class takes none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _registry_key(name: str) -> str:
-    # compressed-tensors' RegistryMixin: case, "_" and "-" are not significant.
-    return re.sub(r"[-_\s]", "-", name.strip()).lower()
 
 
 def _to_args(quantization_args: Any) -> QuantizationArgs:
@@ -139,6 +134,9 @@ def _reduce_layout(
     return x_flat, out_shape
 
 
+_REGISTRY: Registry[Any] = Registry("observer")
+
+
 class Observer(torch.nn.Module):
     """Base legacy observer: caches the latest `(scale, zero_point)`.
 
@@ -158,7 +156,6 @@ class Observer(torch.nn.Module):
 
     Options: ClassVar[type[ObserverOptions]] = ObserverOptions
     name: ClassVar[str] = "observer"
-    _registry: ClassVar[dict[str, type[Observer]]] = {}
 
     def __init__(self, quantization_args: Any, **observer_kwargs: Any) -> None:
         super().__init__()
@@ -170,12 +167,12 @@ class Observer(torch.nn.Module):
                 "quantobs.Observer supports 'block' and 'attn_head'"
             )
         self.quantization_args = args
-        try:
-            self.options = self.Options(**{**args.observer_kwargs, **observer_kwargs})
-        except ValidationError as err:
-            raise ValueError(
-                f"invalid options for observer {self.name!r}: {err}"
-            ) from None
+        self.options = validate_options(
+            self.Options,
+            f"observer {self.name!r}",
+            args.observer_kwargs,
+            observer_kwargs,
+        )
         self._scale: torch.Tensor | None = None
         self._zero_point: torch.Tensor | None = None
         self._num_observed_tokens: int | None = None
@@ -187,41 +184,21 @@ class Observer(torch.nn.Module):
         cls, name: str, alias: str | list[str] | None = None
     ) -> Callable[[_O], _O]:
         """Class decorator: register an observer under `name` (and aliases)."""
-        aliases = [alias] if isinstance(alias, str) else list(alias or [])
-
-        def decorator(observer_cls: _O) -> _O:
-            for key in (name, *aliases):
-                taken = Observer._registry.get(_registry_key(key))
-                if taken is not None and taken is not observer_cls:
-                    raise ValueError(
-                        f"observer name {key!r} is already registered to "
-                        f"{taken.__name__}; choose another name"
-                    )
-                Observer._registry[_registry_key(key)] = observer_cls
-            observer_cls.name = name
-            return observer_cls
-
-        return decorator
+        return _REGISTRY.register(name, alias)
 
     @classmethod
     def registered_names(cls) -> list[str]:
-        """Every registered name (normalized: lower case, `-` for `_`)."""
-        return sorted(Observer._registry)
+        """Every registered name and alias."""
+        return _REGISTRY.names()
 
     @classmethod
     def get_value_from_registry(cls, name: str) -> type[Observer]:
-        """The observer class registered as `name` (case-insensitive).
+        """The observer class registered as `name` (case, `-`, `_` ignored).
 
         Raises:
             KeyError: no observer has that name; the message lists them all.
         """
-        found = Observer._registry.get(_registry_key(name))
-        if found is None:
-            raise KeyError(
-                f"unknown observer {name!r}; registered: "
-                f"{', '.join(cls.registered_names())}"
-            )
-        return found
+        return _REGISTRY.get(name)
 
     @classmethod
     def load_from_registry(cls, name: str, **constructor_kwargs: Any) -> Observer:

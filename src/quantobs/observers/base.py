@@ -14,13 +14,12 @@ engine's own: `update`, `get_qparams`, `reset`, `merge`, `state_dict`.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from quantobs.args import QuantizationArgs
 from quantobs.layout import (
@@ -29,11 +28,13 @@ from quantobs.layout import (
     num_observations_of,
 )
 from quantobs.qparams import calculate_qparams, generate_gparam
+from quantobs.registry import Registry, validate_options
 from quantobs.stats import (
     NanPolicy,
     Range,
     count_nonfinite,
     drop_nonfinite,
+    merge_moving_average,
     minmax,
     minmax_of,
     minmax_omit_nonfinite,
@@ -59,8 +60,7 @@ class ObserverOptions(BaseModel):
     nan_policy: NanPolicy = "raise"
 
 
-def _registry_key(name: str) -> str:
-    return re.sub(r"[-_\s]", "", name).lower()
+_REGISTRY: Registry[Any] = Registry("observer")
 
 
 class Observer(torch.nn.Module):
@@ -83,8 +83,6 @@ class Observer(torch.nn.Module):
     name: ClassVar[str] = "observer"
     #: Whether `_update_stats` reads the batch's values (MSE) or only its range.
     needs_values: ClassVar[bool] = True
-    _registry: ClassVar[dict[str, type[Observer]]] = {}
-    _names: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -102,17 +100,12 @@ class Observer(torch.nn.Module):
         check_supported(base_name, args)
         self.base_name = base_name
         self.args = args
-        try:
-            self.options = self.Options(**{**args.observer_kwargs, **observer_kwargs})
-        except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg']}"
-                for e in err.errors()
-            )
-            raise ValueError(
-                f"invalid options for observer {self.name!r}: {problems} "
-                f"(valid options: {', '.join(self.Options.model_fields)})"
-            ) from None
+        self.options = validate_options(
+            self.Options,
+            f"observer {self.name!r}",
+            args.observer_kwargs,
+            observer_kwargs,
+        )
         self._module = weakref.ref(module) if module is not None else None
         self._stats: Stats = {}
         self.num_observations = 0
@@ -125,37 +118,17 @@ class Observer(torch.nn.Module):
         cls, name: str, alias: str | list[str] | None = None
     ) -> Callable[[_O], _O]:
         """Class decorator: register an observer under `name` (and aliases)."""
-        aliases = [alias] if isinstance(alias, str) else list(alias or [])
-
-        def decorator(observer_cls: _O) -> _O:
-            keys = [(key, _registry_key(key)) for key in (name, *aliases)]
-            for key, normal in keys:
-                taken = cls._registry.get(normal)
-                if taken is not None and taken is not observer_cls:
-                    raise ValueError(f"observer name {key!r} is already registered")
-            observer_cls.name = name
-            for key, normal in keys:
-                cls._registry[normal] = observer_cls
-                cls._names[normal] = key
-            return observer_cls
-
-        return decorator
+        return _REGISTRY.register(name, alias)
 
     @classmethod
     def registered_names(cls) -> list[str]:
         """Every registered name and alias."""
-        return sorted(cls._names.values())
+        return _REGISTRY.names()
 
     @classmethod
     def get_class(cls, name: str) -> type[Observer]:
         """The observer class of a name; case, `-` and `_` are ignored."""
-        found = cls._registry.get(_registry_key(name))
-        if found is None:
-            raise KeyError(
-                f"unknown observer {name!r}; registered: "
-                f"{', '.join(cls.registered_names())}"
-            )
-        return found
+        return _REGISTRY.get(name)
 
     @classmethod
     def load_from_registry(cls, name: str, **kwargs: Any) -> Observer:
@@ -175,6 +148,18 @@ class Observer(torch.nn.Module):
     def _merge_stats(self, other: Observer) -> None:
         """Fold another observer's statistics into `self._stats`."""
         raise NotImplementedError  # pragma: no cover - abstract
+
+    def _merge_moving_average(self, other: Observer) -> None:
+        """Merge moving-average ranges: their count-weighted mean (approximate)."""
+        self._stats = {
+            key: merge_moving_average(
+                self._stats[key],
+                self.num_observations,
+                other._stats[key],
+                other.num_observations,
+            )
+            for key in ("min_vals", "max_vals")
+        }
 
     def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The `(*qparam_shape,)` range the statistics select."""

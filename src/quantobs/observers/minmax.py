@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.stats import Range, lerp_ranges, merge_minmax, merge_moving_average
+from quantobs.stats import Range, lerp_ranges, merge_minmax
 
 __all__ = [
     "MemorylessMinMaxObserver",
@@ -86,12 +86,4 @@ class MinMaxObserver(Observer):
 
     def _merge_stats(self, other: Observer) -> None:
         # Approximate: count-weighted mean of the two moving averages.
-        self._stats = {
-            key: merge_moving_average(
-                self._stats[key],
-                self.num_observations,
-                other._stats[key],
-                other.num_observations,
-            )
-            for key in ("min_vals", "max_vals")
-        }
+        self._merge_moving_average(other)

@@ -31,7 +31,7 @@ from quantobs.mse import (
 )
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.qparams import generate_gparam
-from quantobs.stats import Range, lerp_ranges, merge_moving_average, range_or_zero
+from quantobs.stats import Range, lerp_ranges, range_or_zero
 
 __all__ = [
     "MSEOptions",
@@ -151,15 +151,7 @@ class MovingAverageMSEObserver(Observer):
         self._stats = {"min_vals": searched[0], "max_vals": searched[1]}
 
     def _merge_stats(self, other: Observer) -> None:
-        self._stats = {
-            key: merge_moving_average(
-                self._stats[key],
-                self.num_observations,
-                other._stats[key],
-                other.num_observations,
-            )
-            for key in ("min_vals", "max_vals")
-        }
+        self._merge_moving_average(other)
 
 
 @Observer.register("static_mse")

@@ -1,0 +1,104 @@
+"""Name registries and typed options, shared by every observer family.
+
+Names are looked up ignoring case, `-`, `_` and spaces (compressed-tensors'
+`RegistryMixin` rule); a miss lists every registered name. Options are
+pydantic models with `extra="forbid"`: a typo or an out-of-range value is an
+error that names the option, the value and the valid options.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["Registry", "validate_options"]
+
+T = TypeVar("T", bound=type)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_\s]", "", name).lower()
+
+
+class Registry(Generic[T]):
+    """Classes by name (and aliases).
+
+    Args:
+        kind: what is registered, for messages (e.g. "observer").
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._classes: dict[str, T] = {}
+        self._names: dict[str, str] = {}
+
+    def register(
+        self, name: str, alias: str | list[str] | None = None
+    ) -> Callable[[T], T]:
+        """Class decorator registering `name` and its aliases; sets `cls.name`.
+
+        Raises:
+            ValueError: a name already registered to another class.
+        """
+        aliases = [alias] if isinstance(alias, str) else list(alias or [])
+
+        def decorator(cls: T) -> T:
+            keys = [(label, _key(label)) for label in (name, *aliases)]
+            for label, key in keys:
+                taken = self._classes.get(key)
+                if taken is not None and taken is not cls:
+                    raise ValueError(
+                        f"{self.kind} name {label!r} is already registered to "
+                        f"{taken.__name__}; choose another name"
+                    )
+            cls.name = name  # type: ignore[attr-defined]
+            for label, key in keys:
+                self._classes[key] = cls
+                self._names[key] = label
+            return cls
+
+        return decorator
+
+    def names(self) -> list[str]:
+        """Every registered name and alias."""
+        return sorted(self._names.values())
+
+    def get(self, name: str) -> T:
+        """The class registered as `name`.
+
+        Raises:
+            KeyError: unknown name; the message lists every registered name.
+        """
+        found = self._classes.get(_key(name)) if isinstance(name, str) else None
+        if found is None:
+            raise KeyError(
+                f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
+            )
+        return found
+
+
+def validate_options(options: type[M], owner: str, *sources: Mapping[str, Any]) -> M:
+    """Build an options model from dicts (later ones win), with clear errors.
+
+    Raises:
+        ValueError: unknown option or invalid value; names the option, the
+            value and the valid options of `owner`.
+    """
+    merged: dict[str, Any] = {}
+    for source in sources:
+        merged.update(source)
+    try:
+        return options(**merged)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg']}"
+            for e in err.errors()
+        )
+        raise ValueError(
+            f"invalid options for {owner}: {problems} "
+            f"(valid options: {', '.join(options.model_fields)})"
+        ) from None
