@@ -2,6 +2,18 @@
 
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.observers.helpers import get_observer_token_count
+from quantobs.observers.histogram import (
+    EntropyObserver,
+    EntropyOptions,
+    HistogramL2Observer,
+    HistogramL2Options,
+    HistogramMSEObserver,
+    HistogramMSEOptions,
+    HistogramOptions,
+    HistogramStatObserver,
+    PercentileObserver,
+    PercentileOptions,
+)
 from quantobs.observers.minmax import (
     MemorylessMinMaxObserver,
     MinMaxObserver,
@@ -18,6 +30,14 @@ from quantobs.observers.mse import (
 )
 
 __all__ = [
+    "EntropyObserver",
+    "EntropyOptions",
+    "HistogramL2Observer",
+    "HistogramL2Options",
+    "HistogramMSEObserver",
+    "HistogramMSEOptions",
+    "HistogramOptions",
+    "HistogramStatObserver",
     "MSEOptions",
     "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
@@ -27,6 +47,8 @@ __all__ = [
     "MovingAverageOptions",
     "Observer",
     "ObserverOptions",
+    "PercentileObserver",
+    "PercentileOptions",
     "StaticMSEObserver",
     "StaticMSEOptions",
     "StaticMinMaxObserver",

@@ -165,6 +165,18 @@ class Observer(torch.nn.Module):
         """The `(*qparam_shape,)` range the statistics select."""
         return self._stats["min_vals"], self._stats["max_vals"]
 
+    def _stats_shape(self) -> torch.Size:
+        """The qparam shape of the statistics (shape checks; no solver run)."""
+        return self._range()[0].shape
+
+    def _omit_nonfinite(self, x_flat: torch.Tensor) -> torch.Tensor:
+        """A batch with non-finite values as `_update_stats` gets it ("omit").
+
+        Default: non-finite values become 0, exact under any scale. Statistics
+        that count values (histograms) override this to tell them apart.
+        """
+        return drop_nonfinite(x_flat)
+
     # ---------------------------------------------------------------- engine
 
     @property
@@ -215,11 +227,11 @@ class Observer(torch.nn.Module):
                 )
             values = x_flat if x_flat is not None else self.flatten(observed)
             min_vals, max_vals = minmax_omit_nonfinite(values)
-            x_flat = drop_nonfinite(values) if self.needs_values else None
-        if self._stats and self._range()[0].shape != min_vals.shape:
+            x_flat = self._omit_nonfinite(values) if self.needs_values else None
+        if self._stats and self._stats_shape() != min_vals.shape:
             raise ValueError(
                 f"observer {self.name!r}: qparam shape changed from "
-                f"{tuple(self._range()[0].shape)} to {tuple(min_vals.shape)}; "
+                f"{tuple(self._stats_shape())} to {tuple(min_vals.shape)}; "
                 "call reset() before observing a differently shaped tensor"
             )
         self._update_stats(x_flat, (min_vals, max_vals))
@@ -336,11 +348,10 @@ class Observer(torch.nn.Module):
                 raise ValueError(f"cannot merge observers with different {what}")
         if other._stats:
             if self._stats:
-                mine, theirs = self._range()[0], other._range()[0]
-                if mine.shape != theirs.shape:
+                mine, theirs = self._stats_shape(), other._stats_shape()
+                if mine != theirs:
                     raise ValueError(
-                        f"cannot merge qparam shapes {tuple(mine.shape)} and "
-                        f"{tuple(theirs.shape)}"
+                        f"cannot merge qparam shapes {tuple(mine)} and {tuple(theirs)}"
                     )
                 self._merge_stats(other)
             else:
