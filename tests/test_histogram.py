@@ -19,6 +19,7 @@ from quantobs.histogram import (
     histogram_grid,
     histogram_of,
     merge_histograms,
+    rebin,
     update_histogram,
 )
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
@@ -139,17 +140,26 @@ def _data(rows: int, scale: float, shift: float, seed: int) -> torch.Tensor:
 
 
 @settings(max_examples=40)
-@given(batches=st.lists(_batch, min_size=1, max_size=4), absolute=st.booleans())
+@given(
+    batches=st.lists(_batch, min_size=1, max_size=4),
+    absolute=st.booleans(),
+    nan_every=st.sampled_from([0, 3, 7]),
+)
 def test_update_equals_observing_the_concatenation(
-    batches: list[tuple[int, float, float, int]], absolute: bool
+    batches: list[tuple[int, float, float, int]], absolute: bool, nan_every: int
 ) -> None:
     data = [_data(*b) for b in batches]
+    if nan_every:  # some non-finite values, which are not counted
+        for x in data:
+            x.view(-1)[::nan_every] = math.nan
     hist = empty_histogram((3,), 32, absolute)
     for x in data:
-        hist = update_histogram(hist, x)
+        finite = bool(torch.isfinite(x).all())
+        hist = update_histogram(hist, x, has_nonfinite=not finite)
     whole = histogram_of(torch.cat(data), 32, absolute)
     assert _same(hist, whole)
-    assert hist.total().tolist() == [sum(x.shape[0] * 4 for x in data)] * 3
+    finite_per_qparam = sum(torch.isfinite(x).sum(dim=(0, 2)) for x in data)
+    assert hist.total().tolist() == finite_per_qparam.tolist()
     assert torch.equal(hist.counts, _reference_counts(torch.cat(data), hist))
 
 
@@ -167,6 +177,19 @@ def test_merge_laws(
     right = merge_histograms(ha, merge_histograms(hc, hb))
     assert _same(left, whole) and _same(right, whole)
     assert _same(merge_histograms(ha, empty_histogram((3,), 32)), ha)
+
+
+def test_all_reduce_recipe_equals_one_process() -> None:
+    # MIN/MAX all-reduce of the ranges, the grid of the result, re-bin, SUM.
+    parts = [torch.randn(50, 2, 8, generator=_gen(s)) * (s + 1) - s for s in range(3)]
+    local = [histogram_of(part, 32) for part in parts]
+    min_vals = torch.stack([h.min_vals for h in local]).amin(dim=0)
+    max_vals = torch.stack([h.max_vals for h in local]).amax(dim=0)
+    exponent, offset = histogram_grid(min_vals, max_vals, 32)
+    counts = torch.stack([rebin(h, exponent, offset).counts for h in local]).sum(0)
+    whole = histogram_of(torch.cat(parts), 32)
+    assert torch.equal(counts, whole.counts)
+    assert torch.equal(exponent, whole.exponent) and torch.equal(offset, whole.offset)
 
 
 def test_merge_refuses_different_layouts() -> None:

@@ -30,6 +30,9 @@ histogram of the concatenation whatever the two ranges were, and merging is
 associative and commutative (an all-reduce gives the single-process result).
 The price is resolution: data spans between about `bins / 2` and `bins`
 bins (a power-of-two width is at most twice the width `range / bins`).
+Across processes: all-reduce `min_vals` (MIN) and `max_vals` (MAX), take
+`histogram_grid` of the result, `rebin` the local histogram to it and
+all-reduce the counts (SUM): the single-process histogram, exactly.
 
 One exception to exact binning, documented rather than paid for: a negative
 value so small that `x * 2**-e` underflows to `-0.0` (`|x| < 2**(e - 149)`,
@@ -339,17 +342,30 @@ def _bin_counts(
     index = torch.empty(size, dtype=torch.int32, device=device)
     q_base = torch.arange(q, dtype=torch.int32, device=device).reshape(1, q, 1) * stride
     convert = x_flat.dtype == torch.float64  # bin float32 roundings, as min/max do
+    # The only index outside [0, bins) comes from the underflow exception of
+    # the module docstring (cell 0 instead of -1), and only when cell 0 lies
+    # outside the window; clamp (one more pass) only then.
+    clamp = has_nonfinite or not bool(
+        ((offset <= 0) & (offset + bins > 0) | (offset >= 0)).all()
+    )
+    one = q == 1  # one qparam: Python scalars, and the counts summed once
+    scale: torch.Tensor | float = float(inv) if one else inv
+    shift: torch.Tensor | float = float(off) if one else off
+    found_all = []
     for ns, qs, gs in blocks:
         block = x3[ns, qs, gs]
         shape = block.shape
         buf = work[: block.numel()].view(shape)
+        block_scale = scale if one else inv[:, qs]
         if convert:
-            buf.copy_(block).mul_(inv[:, qs])
+            buf.copy_(block).mul_(block_scale)
         else:
-            torch.mul(block, inv[:, qs], out=buf)
+            torch.mul(block, block_scale, out=buf)
         if absolute:
             buf.abs_()
-        buf.floor_().sub_(off[:, qs]).clamp_(0, bins - 1)
+        buf.floor_().sub_(shift if one else off[:, qs])
+        if clamp:
+            buf.clamp_(0, bins - 1)
         if has_nonfinite:
             buf.nan_to_num_(nan=float(bins))
         idx = index[: block.numel()].view(shape)
@@ -358,7 +374,12 @@ def _bin_counts(
         if num_q > 1:
             idx.add_(q_base[:, :num_q])  # qparam (within the block) * stride
         found = torch.bincount(idx.reshape(-1), minlength=num_q * stride)
-        out[qs] += found.view(num_q, stride)[:, :bins]
+        if one:
+            found_all.append(found)
+        else:
+            out[qs] += found.view(num_q, stride)[:, :bins]
+    if found_all:
+        out += torch.stack(found_all).sum(dim=0)[:bins]
 
 
 def _union(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:

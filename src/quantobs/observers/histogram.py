@@ -55,7 +55,11 @@ from quantobs.histogram import (
 )
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.solvers.entropy import entropy_search
-from quantobs.solvers.histogram_l2 import l2_search, torch_l2_search_batched
+from quantobs.solvers.histogram_l2 import (
+    l2_search,
+    torch_l2_search,
+    torch_l2_search_batched,
+)
 from quantobs.solvers.histogram_mse import histogram_mse_search
 from quantobs.solvers.percentile import percentile_range
 from quantobs.stats import Range
@@ -230,12 +234,16 @@ class HistogramL2Observer(HistogramStatObserver):
         fmt = self.args.format
         if self.options.mode == "torch":
             bins = hist.bins
-            new_min, new_max = torch_l2_search_batched(
-                hist.counts.reshape(-1, bins).to(torch.float32),
-                lo.reshape(-1).to(torch.float32),
-                (lo + bins * width).reshape(-1).to(torch.float32),
-                2**self.args.num_bits,
-            )
+            counts = hist.counts.reshape(-1, bins).to(torch.float32)
+            low = lo.reshape(-1).to(torch.float32)
+            high = (lo + bins * width).reshape(-1).to(torch.float32)
+            dst_nbins = 2**self.args.num_bits
+            if counts.shape[0] == 1:  # one histogram: the block-scored walk
+                new_min, new_max = torch_l2_search(
+                    counts[0], low[0], high[0], dst_nbins
+                )
+            else:
+                new_min, new_max = torch_l2_search_batched(counts, low, high, dst_nbins)
             return new_min.reshape(lo.shape), new_max.reshape(lo.shape)
         if fmt.is_float:
             return histogram_mse_search(

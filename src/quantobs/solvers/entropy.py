@@ -161,24 +161,30 @@ def entropy_search(
     for count in torch.unique(levels).tolist() if cands.numel() else []:
         # One or two distinct level counts (asymmetric args: per qparam sign).
         group = (levels == count).nonzero().squeeze(1)
+        # Chunks of qparams with similar data extents: candidates past the
+        # largest value of a whole chunk are not scored at all.
+        group = group[torch.argsort(stop[group])]
         q_step = min(group.numel(), _CHUNK_QPARAMS)
         c_step = max(1, _CHUNK_ELEMS // (q_step * (count + 1)))
         for q0 in range(0, group.numel(), q_step):
             rows = group[q0 : q0 + q_step]
-            sub = h[rows]
-            parts = [
-                _divergences(sub, cands[c0 : c0 + c_step], int(count))
-                for c0 in range(0, cands.numel(), c_step)
-            ]
-            if not parts:
+            mine = cands[cands <= stop[rows].max()]
+            if mine.numel() == 0:
                 continue
-            kl = torch.cat(parts, dim=1)
-            kl = torch.where(cands[None, :] <= stop[rows, None], kl, math.inf)
+            sub = h[rows]
+            kl = torch.cat(
+                [
+                    _divergences(sub, mine[c0 : c0 + c_step], int(count))
+                    for c0 in range(0, mine.numel(), c_step)
+                ],
+                dim=1,
+            )
+            kl = torch.where(mine[None, :] <= stop[rows, None], kl, math.inf)
             # Last minimum: search the reversed candidates for the first one.
             least, rev = kl.flip(1).min(dim=1)
-            pick = cands.numel() - 1 - rev
+            pick = mine.numel() - 1 - rev
             found[rows] = torch.isfinite(least)
-            best[rows] = cands[pick].to(torch.float64) * width64[rows]
+            best[rows] = mine[pick].to(torch.float64) * width64[rows]
     result = torch.where(found, torch.minimum(best, amax64), amax64)
     has_data = nonzero.any(dim=1)
     result = torch.where(has_data, result, torch.zeros_like(result))

@@ -4,6 +4,14 @@ Final signatures::
 
     torch_l2_search(histogram: Tensor, min_val: Tensor, max_val: Tensor,
                     dst_nbins: int = 256) -> tuple[Tensor, Tensor]
+    torch_l2_search_batched(histogram: Tensor (Q, bins), min_val: Tensor (Q,),
+                            max_val: Tensor (Q,), dst_nbins: int = 256)
+                            -> tuple[Tensor, Tensor]
+    l2_search(counts: Tensor (*Q, bins), lo: Tensor (*Q,), width: Tensor (*Q,),
+              levels: int, *, symmetric: tuple[float, float] | None = None)
+              -> tuple[Tensor, Tensor]
+    l2_errors(counts, lo, width, min_vals (*Q, C), max_vals (*Q, C),
+              levels: int) -> Tensor (*Q, C)
 
 `torch_l2_search` returns what torch 2.13's
 `HistogramObserver._non_linear_param_search()` returns for an observer whose
@@ -27,6 +35,10 @@ the same float arithmetic; only the way they are found differs:
   sums reduce rows the way torch reduces a 1-D tensor).
 * torch stops at the first proposal whose error exceeds the last accepted
   one; so does this, on the proposals in the same order.
+
+`l2_search` minimizes the same closed-form error over every candidate range
+instead of walking greedily (see its docstring), with as many destination
+levels as the quantized range really has.
 """
 
 from __future__ import annotations
@@ -257,8 +269,8 @@ def torch_l2_search(
 
     start_bin, end_bin = 0, bins - 1
     norm_min = float("inf")
-    # torch often stops after a few proposals: score blocks of growing size.
-    size, most = 4, max(4, _PROPOSAL_ELEMS // bins)
+    # torch usually stops within a dozen proposals: score blocks of growing size.
+    size, most = 16, max(16, _PROPOSAL_ELEMS // bins)
     while block := list(itertools.islice(proposals, size)):
         pairs = torch.tensor(block, dtype=torch.int64, device=histogram.device)
         errors = _torch_errors(
@@ -408,15 +420,27 @@ _EXHAUSTIVE_EVALS = 1 << 22  # edge evaluations below which every candidate is s
 
 
 def _prefix_moments(counts: torch.Tensor) -> torch.Tensor:
-    """`(3, Q, bins + 1)` prefix sums of `counts[j] * int_j^{j+1} x^p dx`."""
+    """`(Q, bins, 4)` table: moments at position u in bin j are affine in u.
+
+    With `P_p[j]` the prefix sums of `counts[i] * int_i^{i+1} x^p dx` (x
+    centered on the histogram's middle) and `h = counts[j]`::
+
+        int_0^u x^p rho = P_p[j] + h * (u^(p+1) - j^(p+1)) / (p + 1)
+                        = A_p[j] + h * u^(p+1) / (p + 1)
+
+    The table holds `A_0, A_1, A_2, h` per bin: one gather per position.
+    """
     num_q, bins = counts.shape
     left = torch.arange(bins + 1, dtype=torch.float64, device=counts.device)
     left = left - bins / 2  # centered bin edges
-    out = torch.zeros(3, num_q, bins + 1, dtype=torch.float64, device=counts.device)
+    table = torch.empty(num_q, bins, 4, dtype=torch.float64, device=counts.device)
     for p in range(3):
-        integral = (left[1:] ** (p + 1) - left[:-1] ** (p + 1)) / (p + 1)
-        out[p, :, 1:] = torch.cumsum(counts * integral, dim=1)
-    return out
+        power = left ** (p + 1) / (p + 1)
+        prefix = torch.cumsum(counts * (power[1:] - power[:-1]), dim=1)
+        prefix = torch.nn.functional.pad(prefix[:, :-1], (1, 0))  # P_p[j]
+        table[..., p] = prefix - counts * power[:-1]
+    table[..., 3] = counts
+    return table
 
 
 def _moments_at(
@@ -426,12 +450,15 @@ def _moments_at(
     bins = counts.shape[1]
     u = u.clamp(0, bins)
     j = u.to(torch.int64).clamp(max=bins - 1)  # floor: u >= 0
-    h = torch.gather(counts, 1, j)
-    uc, jc = u - bins / 2, j.to(torch.float64) - bins / 2
+    found = torch.gather(prefix, 1, j[..., None].expand(*j.shape, 4))
+    a0, a1, a2, h = found.unbind(-1)
+    uc = u - bins / 2
+    hu = h * uc
     out = torch.empty(3, *u.shape, dtype=torch.float64, device=u.device)
-    for p in range(3):
-        partial = h * (uc ** (p + 1) - jc ** (p + 1)) / (p + 1)
-        out[p] = torch.gather(prefix[p], 1, j) + partial
+    out[0] = a0 + hu
+    hu = hu * uc
+    out[1] = a1 + hu / 2
+    out[2] = a2 + hu * uc / 3
     return out
 
 
