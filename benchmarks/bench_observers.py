@@ -278,14 +278,19 @@ def selected(case: Case, variant: Variant, only: list[str]) -> bool:
 
 
 def make_tensors(quick: bool, needed: set[str]) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
+    """The run's tensors; each has its own seed, so --only does not change it."""
+
+    def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
     weight_shape = (512, 1024) if quick else (4096, 4096)
     act_shape = (2, 256, 1024) if quick else (8, 2048, 4096)
     tensors: dict[str, torch.Tensor] = {}
     if "weight" in needed:
-        tensors["weight"] = torch.randn(weight_shape, dtype=torch.float32)
+        tensors["weight"] = randn(weight_shape, 0)
     if needed & {"act", "act_bf16"}:
-        act = torch.randn(act_shape, dtype=torch.float32)
+        act = randn(act_shape, 1)
         if "act" in needed:
             tensors["act"] = act
         if "act_bf16" in needed:
@@ -331,7 +336,7 @@ def print_header(
         f"{peers['versions'] if peers else 'no peers'}"
     )
     print(
-        "tensors (seed 0, randn): "
+        "tensors (randn, seed 0 weight, seed 1 input): "
         + "; ".join(f"{key} {describe(x)}" for key, x in tensors.items())
     )
     print(
