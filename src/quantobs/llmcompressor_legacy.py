@@ -37,6 +37,7 @@ Differences from the legacy code, each deliberate:
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from typing import Annotated, Any, ClassVar, TypeVar
 
@@ -372,7 +373,7 @@ class Observer(torch.nn.Module):
         return f"name={self.name!r}, strategy={self.quantization_args.strategy!r}"
 
 
-class _RangeObserver(Observer):
+class _RangeObserver(Observer, metaclass=ABCMeta):
     """Observer keeping one running `(min, max)` per `tensor_id`.
 
     Subclasses choose the batch range (`_select_range`) and how it updates the
@@ -444,10 +445,11 @@ class _RangeObserver(Observer):
         """The batch's range from its `(N, *Q, G)` values and min/max `(*Q,)`."""
         return min_vals, max_vals
 
+    @abstractmethod
     def _update_range(
         self, key: Hashable, min_vals: torch.Tensor, max_vals: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Fold a batch's range into the running range under `key`."""
 
     def _running(
         self, key: Hashable, new_shape: torch.Size

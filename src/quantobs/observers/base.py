@@ -15,6 +15,7 @@ engine's own: `update`, `get_qparams`, `reset`, `merge`, `state_dict`.
 from __future__ import annotations
 
 import weakref
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -63,7 +64,7 @@ class ObserverOptions(BaseModel):
 _REGISTRY: Registry[Any] = Registry("observer")
 
 
-class Observer(torch.nn.Module):
+class Observer(torch.nn.Module, metaclass=ABCMeta):
     """Base observer: watches values and turns them into scale / zero point.
 
     Args:
@@ -137,17 +138,17 @@ class Observer(torch.nn.Module):
 
     # ------------------------------------------------------- subclass hooks
 
+    @abstractmethod
     def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         """Fold one batch into `self._stats`.
 
         `batch_range` is the batch's finite min/max; `x_flat` its values in the
         canonical layout when `needs_values` (else None).
         """
-        raise NotImplementedError  # pragma: no cover - abstract
 
+    @abstractmethod
     def _merge_stats(self, other: Observer) -> None:
         """Fold another observer's statistics into `self._stats`."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
     def _merge_moving_average(self, other: Observer) -> None:
         """Merge moving-average ranges: their count-weighted mean (approximate)."""

@@ -38,6 +38,7 @@ int8), all of them for asymmetric args on non-negative data, `2 **
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from typing import ClassVar, Literal
 
 import torch
@@ -203,8 +204,9 @@ class HistogramStatObserver(Observer):
     def _stats_shape(self) -> torch.Size:
         return self._stats["min_vals"].shape
 
+    @abstractmethod
     def _solve(self, hist: Histogram) -> Range:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The `(*qparam_shape,)` range this observer's solver selects."""
 
     def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
         hist = self.histogram
