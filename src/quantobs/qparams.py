@@ -178,13 +178,14 @@ def calculate_qparams(
     min_vals = torch.clamp(min_vals.to(work), max=0.0)
     max_vals = torch.clamp(max_vals.to(work), min=0.0)
 
+    zero_point: torch.Tensor | None
     if args.symmetric:
         amax = torch.maximum(min_vals.abs(), max_vals.abs())
         if args.is_mx:
             scale = _mx_scales(amax, fmt, pow2 or "even")
         else:
             scale = amax / half_range
-        zero_point = torch.zeros_like(scale)
+        zero_point = None  # all zeros, made in zp_dtype below
     else:
         scale = (max_vals - min_vals) / (qmax - qmin)
         wide = ~torch.isfinite(scale)  # max - min overflowed
@@ -201,7 +202,7 @@ def calculate_qparams(
 
     if global_scale is not None:
         scale = check_global_scale(global_scale).to(work) * scale
-        if not torch.isfinite(scale).all():
+        if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
             raise ValueError(
                 "global_scale * scale overflowed; the global scale is too large "
                 "for this range (compute it with generate_gparam)"
@@ -211,10 +212,13 @@ def calculate_qparams(
         scale = _round_to_dtype(scale, args.scale_dtype)
     scale = scale.to(out_dtype)
     eps = _zero_scale_replacement(args.scale_dtype or out_dtype)
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, eps))
+    scale = scale.masked_fill(scale <= 0, eps)
 
     zp_dtype = args.zp_dtype or torch.int8
-    zero_point = _round_to_dtype(zero_point, zp_dtype).to(zp_dtype)
+    if zero_point is None:
+        zero_point = torch.zeros(scale.shape, dtype=zp_dtype, device=scale.device)
+    else:
+        zero_point = _round_to_dtype(zero_point, zp_dtype).to(zp_dtype)
 
     if scale.ndim == 0:
         scale, zero_point = scale.reshape(1), zero_point.reshape(1)
