@@ -32,6 +32,7 @@ from quantobs.formats import NumberFormat, get_format
 
 __all__ = [
     "Pow2Rounding",
+    "all_finite",
     "amax_to_global_scale",
     "calculate_qparams",
     "calculate_range",
@@ -54,6 +55,15 @@ def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
     return fmt.min, fmt.max
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element is finite, from one small reduction per tensor.
+
+    NaN and +-inf propagate into `aminmax`, so only its two ends are tested.
+    """
+    ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    return not ends or bool(torch.isfinite(torch.cat(ends)).all())
+
+
 def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
     for name, vals in (("min_vals", min_vals), ("max_vals", max_vals)):
         if not isinstance(vals, torch.Tensor):
@@ -65,11 +75,7 @@ def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
             f"min_vals {tuple(min_vals.shape)} and max_vals "
             f"{tuple(max_vals.shape)} must have the same shape"
         )
-    if min_vals.numel() == 0:
-        return
-    # NaN propagates through aminmax: two small reductions test everything.
-    ends = torch.cat([torch.stack(torch.aminmax(v)) for v in (min_vals, max_vals)])
-    if not bool(torch.isfinite(ends).all()):
+    if not all_finite(min_vals, max_vals):
         bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
         raise ValueError(
             f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"

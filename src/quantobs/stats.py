@@ -151,5 +151,7 @@ def range_or_zero(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
     empty = min_vals > max_vals
+    if not bool(empty.any()):
+        return min_vals, max_vals
     zero = torch.zeros_like(min_vals)
     return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)

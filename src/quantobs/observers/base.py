@@ -28,7 +28,7 @@ from quantobs.layout import (
     flatten_for_calibration,
     num_observations_of,
 )
-from quantobs.qparams import calculate_qparams, generate_gparam
+from quantobs.qparams import all_finite, calculate_qparams, generate_gparam
 from quantobs.registry import Registry, validate_options
 from quantobs.stats import (
     NanPolicy,
@@ -219,7 +219,7 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
         layout when the statistic reads values (else None).
         """
         min_vals, max_vals = batch_range
-        if not (torch.isfinite(min_vals).all() and torch.isfinite(max_vals).all()):
+        if not all_finite(min_vals, max_vals):
             if self.options.nan_policy == "raise":
                 raise ValueError(
                     f"observer {self.name!r} for {self.base_name!r} got "
