@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 import quantobs
+from timing import best_ms
 
 
 @dataclass(frozen=True)
@@ -41,24 +41,6 @@ CASES = (
     Case("tensor_group-16 (NVFP4)", preset="NVFP4"),
     Case("block-128 (FP8_BLOCK)", preset="FP8_BLOCK"),
 )
-
-
-def best_ms(fns: list[Callable[[], object]], repeat: int, warmup: int) -> list[float]:
-    """Best wall time of each `fn()` in milliseconds over `repeat` rounds.
-
-    The functions run interleaved, one call each per round, so that a load
-    change on the machine hits all of them alike.
-    """
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return [seconds * 1e3 for seconds in best]
 
 
 def minmax_qparams_fn(

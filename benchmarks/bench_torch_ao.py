@@ -23,28 +23,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 import warnings
-from collections.abc import Callable
 
 import torch
 from torch.ao.quantization import observer as tob
 
 import quantobs.torch_ao as ours
-
-
-def best_ms(fns: list[Callable[[], object]], repeat: int, warmup: int) -> list[float]:
-    """Best wall time of each `fn()` in ms, the functions interleaved per round."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return [seconds * 1e3 for seconds in best]
+from timing import best_ms
 
 
 def same_qparams(a: torch.nn.Module, b: torch.nn.Module) -> bool:
