@@ -28,6 +28,7 @@ later batch sees the doubled value; the scale is a function of it.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ _BFP_MANTISSA_EXP = 6  # int8 mantissas: |q| <= 127 -> scale 2**(e - 6)
 _BFP_OVERFLOW = 127.5  # rounds to 128, outside int8
 
 
-class _BlockObserver(ObserverBase):
+class _BlockObserver(ObserverBase, metaclass=ABCMeta):
     """Shared state of the block observers: a float32 `amax` per block."""
 
     qschemes = (QSchemeType.per_group,)
@@ -99,9 +100,9 @@ class _BlockObserver(ObserverBase):
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.calculate_qparams()
 
+    @abstractmethod
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(scale, zero_point)` per block, each `(rows, num_blocks)`."""
-        raise NotImplementedError  # pragma: no cover - defined by subclasses
 
     def reset_state(self) -> None:
         """Forget the amax."""
