@@ -106,6 +106,40 @@ class _Pow2Mixin:
             self._votes = [tuple(v) for v in state.get("votes", [])]
 
 
+class _LastBatchMixin:
+    """MinMSE observers: keep the last batch; search its best shift once."""
+
+    original_tensor: torch.Tensor | None
+    pos_range: int
+    _pow2_candidate: Any
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)  # type: ignore[call-arg]
+        self.original_tensor = None
+        self.pos_range = len(_SHIFTS)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Record the range and keep the batch for the search."""
+        if x_orig.numel() == 0:
+            return x_orig
+        super().forward(x_orig)  # type: ignore[misc]
+        self.original_tensor = x_orig.detach()
+        return x_orig
+
+    def _take_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(scale, zero_point)` candidate of the range, and the kept batch."""
+        if self.original_tensor is None:
+            raise ValueError(
+                f"{type(self).__name__}: no batch to search (each forward() "
+                "allows one calculation); run a batch through the observer"
+            )
+        scale, zero_point = self._pow2_candidate(min_val, max_val)
+        data, self.original_tensor = self.original_tensor, None
+        return scale, zero_point, data
+
+
 class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
     """Power-of-two scale of the running range, most frequent over calls.
 
@@ -153,33 +187,14 @@ class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
         )
 
 
-class PerTensorPowOf2MinMSEObserver(PerTensorPowOf2MinMaxObserver):
+class PerTensorPowOf2MinMSEObserver(_LastBatchMixin, PerTensorPowOf2MinMaxObserver):
     """`PerTensorPowOf2MinMaxObserver`'s scale, shifted by the least squared
     error on the last batch (module docstring)."""
-
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
-        self.original_tensor: torch.Tensor | None = None
-        self.pos_range = len(_SHIFTS)
-
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        """Record the range and keep the batch for the search."""
-        if x_orig.numel() == 0:
-            return x_orig
-        super().forward(x_orig)
-        self.original_tensor = x_orig.detach()
-        return x_orig
 
     def _one_batch(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.original_tensor is None:
-            raise ValueError(
-                f"{type(self).__name__}: no batch to search (each forward() "
-                "allows one calculation); run a batch through the observer"
-            )
-        scale, zero_point = self._pow2_candidate(min_val, max_val)
-        data, self.original_tensor = self.original_tensor, None
+        scale, zero_point, data = self._take_batch(min_val, max_val)
         best = _best_shift(
             data.reshape(1, 1, -1), scale.reshape(1, -1, 1), zero_point, self
         )
@@ -230,33 +245,14 @@ class PerChannelPowOf2MinMaxObserver(_Pow2Mixin, PerChannelMinMaxObserver):
         )
 
 
-class PerChannelPowOf2MinMSEObserver(PerChannelPowOf2MinMaxObserver):
+class PerChannelPowOf2MinMSEObserver(_LastBatchMixin, PerChannelPowOf2MinMaxObserver):
     """Per-channel power-of-two scales, all shifted by one `2**k` of least
     summed squared error on the last batch (module docstring)."""
-
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
-        self.original_tensor: torch.Tensor | None = None
-        self.pos_range = len(_SHIFTS)
-
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        """Record the ranges and keep the batch for the search."""
-        if x_orig.numel() == 0:
-            return x_orig
-        super().forward(x_orig)
-        self.original_tensor = x_orig.detach()
-        return x_orig
 
     def _one_batch(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.original_tensor is None:
-            raise ValueError(
-                f"{type(self).__name__}: no batch to search (each forward() "
-                "allows one calculation); run a batch through the observer"
-            )
-        scale, zero_point = self._pow2_candidate(min_val, max_val)
-        data, self.original_tensor = self.original_tensor, None
+        scale, zero_point, data = self._take_batch(min_val, max_val)
         view = channel_view(data, int(self.ch_axis or 0))  # (pre, C, post)
         best = _best_shift(
             view, scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1), self
