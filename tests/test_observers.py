@@ -97,6 +97,7 @@ def test_parity_with_llm_compressor(
     name: str,
     patience: int | None,
     case: tuple[str, str, dict[str, Any], tuple[int, ...]],
+    backend: str,
 ) -> None:
     _, base_name, kwargs, shape = case
     options = {"patience": patience} if "mse" in name else {}

@@ -27,6 +27,7 @@ from tests.test_layout import CASES
 )
 def test_minmax_of_equals_layout_reduction(
     case: tuple[str, tuple[int, ...], dict[str, Any], tuple[int, ...]],
+    backend: str,
 ) -> None:
     base_name, shape, kwargs, expected = case
     args = QuantizationArgs(**kwargs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from quantobs import native
 from quantobs.args import QuantizationArgs
 from quantobs.qparams import calculate_qparams, generate_gparam
 from quantobs.stats import minmax
@@ -85,6 +86,39 @@ def _errors_of_chunk(
     return err.sum(dim=(1, 3), dtype=torch.float32).to(torch.float64)
 
 
+def _native_errors(
+    x3: torch.Tensor,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    args: QuantizationArgs,
+    norm: float,
+    global_scale: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`(C, Qn)` errors from the native kernel, or None where it does not run."""
+    if x3.device.type != "cpu" or not native.mse_supported(args.format, norm):
+        return None
+    if not native.available():
+        return None
+    # x3: (N, Qn, G); scales and zero points of every candidate: (C, Qn)
+    scale, zero_point = calculate_qparams(
+        min_vals[None, :] * factors[:, None],
+        max_vals[None, :] * factors[:, None],
+        args,
+        global_scale,
+    )
+    if global_scale is not None:
+        scale = scale / global_scale  # fake_quantize's effective scale
+    values = x3 if x3.dtype == torch.float32 else x3.to(torch.float32)
+    return native.mse_errors(
+        values.contiguous(),
+        scale,
+        None if args.symmetric else zero_point,
+        args.format,
+        norm,
+    )
+
+
 def candidate_errors(
     x_flat: torch.Tensor,
     args: QuantizationArgs,
@@ -116,6 +150,9 @@ def candidate_errors(
     x3 = x_flat.reshape(n, -1, g)  # (N, Qn, G)
     mins, maxs = min_vals.reshape(-1), max_vals.reshape(-1)
     factors = factors.to(x_flat.device)
+    found = _native_errors(x3, mins, maxs, factors, args, norm, global_scale)
+    if found is not None:
+        return found.reshape(-1, *qshape)
     num_c, num_q = factors.numel(), x3.shape[1]
     errors = torch.zeros(num_c, num_q, dtype=torch.float64, device=x_flat.device)
     per_qparam = num_c * n * g

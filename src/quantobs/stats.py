@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from quantobs import native
 from quantobs.args import QuantizationArgs
 from quantobs.layout import block_view, flatten_for_calibration
 
@@ -51,6 +52,10 @@ def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if math.prod(qshape) == 1:  # one qparam: a single pass, the floor
         min_vals, max_vals = torch.aminmax(x_flat)
         return min_vals.float().reshape(qshape), max_vals.float().reshape(qshape)
+    n, g = x_flat.shape[0], x_flat.shape[-1]
+    found = native.minmax(x_flat.reshape(n, -1, g)) if x_flat.ndim > 1 else None
+    if found is not None:  # one pass, however small the groups
+        return found[0].reshape(qshape), found[1].reshape(qshape)
     min_vals = torch.amin(x_flat, dim=(0, -1)).to(torch.float32)
     max_vals = torch.amax(x_flat, dim=(0, -1)).to(torch.float32)
     return min_vals, max_vals

@@ -1,0 +1,221 @@
+/* Optional native kernels of quantobs (see quantobs/native.py).
+ *
+ * Compiled on first use with the system C compiler and loaded with ctypes;
+ * every kernel has an eager torch twin that gives the same numbers, which is
+ * used when no compiler is found. Inputs are contiguous float32.
+ *
+ * qo_minmax: min and max per qparam of x viewed as (N, Q, G), reduced over N
+ *   and G (the canonical layout of quantobs.layout). NaN propagates like
+ *   torch.amin / torch.amax.
+ *
+ * qo_mse_errors: for each candidate c and qparam q, the error
+ *   sum_{n,g} |fake_quant(x[n,q,g]) - x[n,q,g]| ** norm, with fake_quant's
+ *   float32 arithmetic in its order:
+ *       v = x / s; v += zp; v = clamp(v, qmin, qmax); v = round(v);
+ *       v -= zp; d = v * s - x
+ *   round is half-to-even to an integer (int formats) or to the grid of a
+ *   signed float format (mantissa_bits, emin: the exponent of its smallest
+ *   normal). norm 2.4 uses pow24 below (relative error below 3e-7, against
+ *   1 ulp for powf) and norm 2 squares; other norms call powf. Sums are
+ *   float64.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* a ** 2.4 for a >= 0: a*a * 2**(0.4 k) * m**0.4 with a = m * 2**k, m in
+ * [1, 2); 2**(0.4 k) = 4**q * 2**(0.4 r) for k = 5 q + r, and m**0.4 =
+ * sqrt(m)**0.8 by a degree-5 polynomial about the middle of [1, sqrt 2). */
+ALWAYS_INLINE float pow24(float a) {
+    uint32_t u = bits_of(a);
+    int32_t field = (int32_t)(u >> 23);
+    int32_t k = field - 127;
+    float m = float_of((u & 0x7FFFFFu) | 0x3F800000u);
+    int32_t q = (int32_t)floorf(((float)k + 0.5f) * 0.2f);
+    int32_t r = k - 5 * q;
+    /* 2**(0.4 r) from the bits of r (a select chain would become a table) */
+    float root = ((r & 1) ? 1.31950791077289f : 1.0f) *
+                 ((r & 2) ? 1.74110112659225f : 1.0f) *
+                 ((r & 4) ? 3.03143313302079f : 1.0f);
+    float t = sqrtf(m) - 1.2071068f;
+    float p = 0.005249457433819771f;
+    p = p * t - 0.009831152856349945f;
+    p = p * t + 0.021146923303604126f;
+    p = p * t - 0.06382248550653458f;
+    p = p * t + 0.7704436182975769f;
+    p = p * t + 1.1625096797943115f;
+    float four_q = float_of((uint32_t)(2 * q + 127) << 23);
+    float out = (a * a) * (p * root * four_q);
+    return field == 0 ? 0.0f : out; /* zero or subnormal: below 2**-300 */
+}
+
+ALWAYS_INLINE float round_format(float v, int is_float, int mantissa_bits, int emin) {
+    if (!is_float) return rintf(v);
+    /* quantum of v's binade, subnormals sharing the smallest normal one */
+    int32_t e = (int32_t)((bits_of(v) >> 23) & 0xFFu) - 127;
+    e = e < emin ? emin : e;
+    float quantum = float_of((uint32_t)(e - mantissa_bits + 127) << 23);
+    return rintf(v / quantum) * quantum;
+}
+
+ALWAYS_INLINE float error_power(float a, int kind, float norm) {
+    if (kind == 1) return pow24(a);
+    if (kind == 2) return a * a;
+    return powf(a, norm);
+}
+
+typedef struct {
+    float qmin, qmax, norm;
+    int mantissa_bits, emin;
+} Format;
+
+ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind,
+                                  int has_zp, int is_float) {
+    float v = x / s;
+    if (has_zp) v = v + zp;
+    v = v < f.qmin ? f.qmin : v;
+    v = v > f.qmax ? f.qmax : v;
+    v = round_format(v, is_float, f.mantissa_bits, f.emin);
+    if (has_zp) v = v - zp;
+    float d = v * s - x;
+    return error_power(fabsf(d), kind, f.norm);
+}
+
+/* sum over one row x[0..g) of the error of candidate (s, zp) */
+ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, float zp,
+                               Format f, int kind, int has_zp, int is_float) {
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < g; ++i)
+        total += (double)element_error(x[i], s, zp, f, kind, has_zp, is_float);
+    return total;
+}
+
+/* out[k, j] += errors of rows (r, j) for r in [r0, r1), j in [j0, j1) */
+ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
+                               const float *scale, const float *zero_point,
+                               const Format *f, double *out, int64_t r0, int64_t r1,
+                               int64_t j0, int64_t j1, int kind, int has_zp,
+                               int is_float) {
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = j0; j < j1; ++j) {
+            const float *row = x + (r * q + j) * g;
+            for (int64_t k = 0; k < c; ++k) {
+                float zp = has_zp ? zero_point[k * q + j] : 0.0f;
+                out[k * q + j] +=
+                    row_error(row, g, scale[k * q + j], zp, *f, kind, has_zp, is_float);
+            }
+        }
+}
+
+typedef void (*Scorer)(const float *, int64_t, int64_t, int64_t, const float *,
+                       const float *, const Format *, double *, int64_t, int64_t,
+                       int64_t, int64_t);
+
+/* one copy of score_block per (error power, zero point, float format) */
+#define SCORER(KIND, ZP, FLOAT)                                                      \
+    static void score_##KIND##_##ZP##_##FLOAT(                                       \
+        const float *x, int64_t q, int64_t g, int64_t c, const float *scale,        \
+        const float *zero_point, const Format *f, double *out, int64_t r0,          \
+        int64_t r1, int64_t j0, int64_t j1) {                                        \
+        score_block(x, q, g, c, scale, zero_point, f, out, r0, r1, j0, j1, KIND, ZP, \
+                    FLOAT);                                                          \
+    }
+SCORER(0, 0, 0) SCORER(0, 0, 1) SCORER(0, 1, 0) SCORER(0, 1, 1)
+SCORER(1, 0, 0) SCORER(1, 0, 1) SCORER(1, 1, 0) SCORER(1, 1, 1)
+SCORER(2, 0, 0) SCORER(2, 0, 1) SCORER(2, 1, 0) SCORER(2, 1, 1)
+
+static const Scorer SCORERS[12] = {
+    score_0_0_0, score_0_0_1, score_0_1_0, score_0_1_1,
+    score_1_0_0, score_1_0_1, score_1_1_0, score_1_1_1,
+    score_2_0_0, score_2_0_1, score_2_1_0, score_2_1_1,
+};
+
+void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
+                   const float *scale, const float *zero_point, float qmin,
+                   float qmax, int is_float, int mantissa_bits, int emin,
+                   float norm, double *out, int threads) {
+    Format f = {qmin, qmax, norm, mantissa_bits, emin};
+    int kind = norm == 2.4f ? 1 : (norm == 2.0f ? 2 : 0);
+    int has_zp = zero_point != NULL;
+    Scorer score = SCORERS[kind * 4 + has_zp * 2 + (is_float != 0)];
+    memset(out, 0, sizeof(double) * (size_t)(c * q));
+    if (n == 1 || q >= 4 * threads) {
+        /* qparams are independent: split them between threads */
+#pragma omp parallel for schedule(dynamic, 64) num_threads(threads)
+        for (int64_t j = 0; j < q; ++j) score(x, q, g, c, scale, zero_point, &f, out, 0, n, j, j + 1);
+        return;
+    }
+    /* few qparams, many rows: split the rows, one partial table per thread */
+#pragma omp parallel num_threads(threads)
+    {
+        double *mine = calloc((size_t)(c * q), sizeof(double));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) score(x, q, g, c, scale, zero_point, &f, mine, r, r + 1, 0, q);
+#pragma omp critical
+        for (int64_t i = 0; i < c * q; ++i) out[i] += mine[i];
+        free(mine);
+    }
+}
+
+/* min and max over rows (r, j), r < n, of g values each; NaN propagates */
+ALWAYS_INLINE void qparam_minmax(const float *restrict x, int64_t n, int64_t q,
+                                 int64_t g, int64_t j, float *lo, float *hi) {
+    float mn = x[j * g], mx = x[j * g];
+    int nan = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const float *row = x + (r * q + j) * g;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(| : nan)
+        for (int64_t i = 0; i < g; ++i) {
+            float v = row[i];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nan |= v != v;
+        }
+    }
+    *lo = nan ? NAN : mn;
+    *hi = nan ? NAN : mx;
+}
+
+/* one copy per common group size: a constant g unrolls the row */
+#define MINMAX(G)                                                                  \
+    static void minmax_##G(const float *restrict x, int64_t n, int64_t q,          \
+                           int64_t g, float *restrict mins, float *restrict maxs, \
+                           int threads) {                                          \
+        (void)g;                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")          \
+        for (int64_t j = 0; j < q; ++j)                                            \
+            qparam_minmax(x, n, q, G, j, mins + j, maxs + j);                      \
+    }
+MINMAX(16) MINMAX(32) MINMAX(64) MINMAX(128) MINMAX(g)
+
+void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
+               float *maxs, int threads) {
+    switch (g) {
+    case 16: minmax_16(x, n, q, g, mins, maxs, threads); break;
+    case 32: minmax_32(x, n, q, g, mins, maxs, threads); break;
+    case 64: minmax_64(x, n, q, g, mins, maxs, threads); break;
+    case 128: minmax_128(x, n, q, g, mins, maxs, threads); break;
+    default: minmax_g(x, n, q, g, mins, maxs, threads);
+    }
+}
+
+/* pow24 over an array: for the tests */
+void qo_pow24(const float *a, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = pow24(a[i]);
+}

@@ -1,0 +1,237 @@
+"""Optional native kernels: min/max per qparam and MSE candidate errors.
+
+`_kernels.c` is compiled once per machine with the system C compiler (`$CC`
+or `cc`; OpenMP when the compiler has it), cached under
+`$QUANTOBS_CACHE_DIR` (default `~/.cache/quantobs`) and loaded with ctypes.
+Nothing requires it: without a compiler, or with `QUANTOBS_NATIVE=0`, or
+after `set_enabled(False)`, every caller runs its eager torch twin, which
+gives the same min/max bit for bit and the same MSE errors to float32
+rounding (the kernel's `|e| ** 2.4` is within 3e-7 relative of `powf`, and
+sums are float64).
+
+The kernels take contiguous float32 CPU tensors in the canonical layout
+`(N, Q, G)`; `minmax` and `mse_errors` return None for anything else, and the
+caller falls back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantobs.formats import NumberFormat
+
+__all__ = [
+    "available",
+    "minmax",
+    "mse_errors",
+    "mse_supported",
+    "pow24",
+    "set_enabled",
+]
+
+_LOG = logging.getLogger("quantobs")
+_SOURCE = Path(__file__).with_name("_kernels.c")
+_COMMON = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+_COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
+# Tried in order: tuned for this CPU with threads, then portable, then serial.
+_FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
+_NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
+
+_enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_INT = ctypes.c_int
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the native kernels on or off; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def _cpu_key() -> str:
+    """What `-march=native` depends on: the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> bool:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        command = [compiler, *_COMMON, *flags, str(_SOURCE), "-o", str(out), "-lm"]
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            _LOG.info("quantobs: native kernels not built (%s)", error)
+            return False
+        if result.returncode != 0:
+            _LOG.info(
+                "quantobs: %s failed: %s", " ".join(command), result.stderr[-500:]
+            )
+            return False
+        os.replace(out, target)  # atomic: concurrent builders race harmlessly
+    return True
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        _LOG.info("quantobs: no C compiler; using the torch kernels")
+        return None
+    cache = Path(
+        os.environ.get("QUANTOBS_CACHE_DIR", Path.home() / ".cache" / "quantobs")
+    )
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(
+            "\0".join(
+                [_SOURCE.read_text(), compiler, *_COMMON, *flags, _cpu_key()]
+            ).encode()
+        ).hexdigest()[:16]
+        target = cache / f"kernels-{platform.machine()}-{key}.so"
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            if not target.exists() and not _compile(compiler, flags, target):
+                continue
+            lib = ctypes.CDLL(str(target))
+        except OSError as error:
+            _LOG.info("quantobs: native kernels not loaded (%s)", error)
+            continue
+        lib.qo_minmax.argtypes = [_P, _I, _I, _I, _P, _P, _INT]
+        lib.qo_minmax.restype = None
+        lib.qo_mse_errors.argtypes = [_P, _I, _I, _I, _I, _P, _P, _F, _F]
+        lib.qo_mse_errors.argtypes += [_INT, _INT, _INT, _F, _P, _INT]
+        lib.qo_mse_errors.restype = None
+        lib.qo_pow24.argtypes = [_P, _P, _I]
+        lib.qo_pow24.restype = None
+        return lib
+    return None
+
+
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:  # callers check available() first
+        raise RuntimeError("quantobs native kernels are not available")
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are enabled and built (builds on first call)."""
+    return _enabled and _library() is not None
+
+
+def _usable(x: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and x.numel() > 0
+        and available()
+    )
+
+
+def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(N, Q, G)` float32 -> `(Q,)` min and max over N and G, or None.
+
+    Equal to `torch.amin` / `torch.amax` over dims `(0, 2)` (NaN propagates).
+    """
+    if x3.ndim != 3 or not _usable(x3):
+        return None
+    n, q, g = x3.shape
+    mins = torch.empty(q, dtype=torch.float32)
+    maxs = torch.empty(q, dtype=torch.float32)
+    _loaded().qo_minmax(
+        x3.data_ptr(),
+        n,
+        q,
+        g,
+        mins.data_ptr(),
+        maxs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return mins, maxs
+
+
+def mse_supported(fmt: NumberFormat, norm: float) -> bool:
+    """Whether `mse_errors` runs for this format and error exponent."""
+    return norm in _NORMS and (fmt.signed or not fmt.is_float)
+
+
+def mse_errors(
+    x3: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    fmt: NumberFormat,
+    norm: float,
+) -> torch.Tensor | None:
+    """Errors `sum |fake_quant(x) - x| ** norm` of every candidate, or None.
+
+    Args:
+        x3: `(N, Q, G)` float32 values.
+        scale: `(C, Q)` effective scales (divided by any global scale).
+        zero_point: `(C, Q)` zero points, or None (symmetric).
+        fmt: the quantized format (ints, or signed float formats).
+        norm: error exponent; only 2 and 2.4 run natively.
+
+    Returns:
+        `(C, Q)` float64 errors, or None where the kernel does not apply.
+    """
+    if x3.ndim != 3 or not mse_supported(fmt, norm) or not _usable(x3):
+        return None
+    n, q, g = x3.shape
+    c = scale.shape[0]
+    scale = scale.to(torch.float32).contiguous()
+    if zero_point is not None:
+        zero_point = zero_point.to(torch.float32).contiguous()
+    out = torch.empty(c, q, dtype=torch.float64)
+    # ints ignore it; float formats: the exponent of the smallest normal
+    emin = math.frexp(fmt.min_normal)[1] - 1
+    _loaded().qo_mse_errors(
+        x3.data_ptr(),
+        n,
+        q,
+        g,
+        c,
+        scale.data_ptr(),
+        None if zero_point is None else zero_point.data_ptr(),
+        fmt.min,
+        fmt.max,
+        int(fmt.is_float),
+        fmt.mantissa_bits,
+        emin,
+        norm,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def pow24(a: torch.Tensor) -> torch.Tensor | None:
+    """The kernel's `a ** 2.4` for float32 `a >= 0` (for tests), or None."""
+    if not _usable(a):
+        return None
+    out = torch.empty_like(a)
+    _loaded().qo_pow24(a.data_ptr(), out.data_ptr(), a.numel())
+    return out

@@ -1,0 +1,195 @@
+"""The native kernels against their eager torch twins.
+
+Skipped where no C compiler builds them; `backend`-parametrized tests
+elsewhere (llm-compressor parity, min/max layouts) run both paths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from quantobs import QuantizationArgs, native
+from quantobs.layout import flatten_for_calibration
+from quantobs.mse import candidate_errors, search_args, shrink_factors
+from quantobs.qparams import generate_gparam
+from quantobs.stats import minmax
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no C compiler: the native kernels are not built"
+)
+
+FORMATS = {
+    "int4": {"num_bits": 4},
+    "int4-asym": {"num_bits": 4, "symmetric": False},
+    "int8": {"num_bits": 8},
+    "uint8-range-asym": {"num_bits": 8, "symmetric": False},
+    "fp8-e4m3": {"num_bits": 8, "type": "float"},
+    "fp4-e2m1": {"num_bits": 4, "type": "float"},
+}
+
+
+def _eager(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    previous = native.set_enabled(False)
+    try:
+        return run()
+    finally:
+        native.set_enabled(previous)
+
+
+def _values(count: int, seed: int = 0) -> torch.Tensor:
+    """Values over many binades, plus exact grid points and rounding ties."""
+    gen = torch.Generator().manual_seed(seed)
+    mags = torch.exp2(torch.randint(-30, 12, (count,), generator=gen).float())
+    x = torch.randn(count, generator=gen) * mags
+    ties = torch.arange(-64, 64, dtype=torch.float32) / 4  # k / 4: ties of halves
+    return torch.cat([x, ties, torch.tensor([0.0, -0.0, 1e-40, -3e-39, 448.0])])
+
+
+@pytest.mark.parametrize("groups", [1, 3, 16, 32, 64, 128, 4096, 100])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_minmax_equals_torch(groups: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(groups * 10 + rows)
+    x = torch.randn(rows, 37, groups, generator=gen)
+    x[0, 5, 0] = float("nan")
+    x[-1, 7, -1] = float("nan")
+    x[0, 9, 0] = float("inf")
+    x[-1, 11, -1] = float("-inf")
+    got = native.minmax(x)
+    assert got is not None
+    for ours, theirs in zip(got, (x.amin(dim=(0, 2)), x.amax(dim=(0, 2))), strict=True):
+        nan = torch.isnan(theirs)
+        assert torch.equal(torch.isnan(ours), nan)
+        assert torch.equal(ours[~nan], theirs[~nan])
+    assert torch.isnan(got[0][[5, 7]]).all() and torch.isnan(got[1][[5, 7]]).all()
+
+
+def test_minmax_declines_what_it_does_not_handle() -> None:
+    x = torch.randn(2, 8, 16)
+    assert native.minmax(x.to(torch.bfloat16)) is None  # float32 only
+    assert native.minmax(x.transpose(0, 1)) is None  # contiguous only
+    assert native.minmax(x[0]) is None  # (N, Q, G) only
+    # ... and stats.minmax falls back to torch for them
+    bf16 = x.to(torch.bfloat16)
+    assert torch.equal(minmax(bf16)[0], bf16.float().amin(dim=(0, -1)))
+
+
+def test_pow24_is_within_3e_7_of_exact() -> None:
+    exps = torch.arange(-52.0, 53.0, 0.01)  # results normal float32: 2**-125..2**127
+    a = torch.exp2(exps).to(torch.float32)
+    got = native.pow24(a)
+    assert got is not None
+    exact = a.double() ** 2.4
+    rel = ((got.double() - exact) / exact).abs()
+    assert rel.max().item() < 3e-7
+    edge = native.pow24(torch.tensor([0.0, 1e-40, 1.0, float("inf")]))
+    assert edge is not None and edge.tolist() == [0.0, 0.0, 1.0, float("inf")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=list(FORMATS))
+def test_rounding_equals_eager_element_by_element(fmt: str) -> None:
+    """Norm 2 on one-element rows: each error is one squared rounding error,
+    computed with the same float32 operations on both sides: equal exactly."""
+    args = QuantizationArgs(**FORMATS[fmt], strategy="channel")
+    x = _values(20000).reshape(1, -1, 1)  # (N=1, Q, G=1)
+    amax = x.abs().amax() * torch.tensor([1.0, 0.5, 1e-3, 1e-9])  # 4 candidates
+    mins, maxs = torch.full((x.shape[1],), -1.0), torch.full((x.shape[1],), 1.0)
+    factors = amax.float()
+    got = candidate_errors(x, args, mins, maxs, factors, norm=2.0)
+    expected = _eager(lambda: candidate_errors(x, args, mins, maxs, factors, norm=2.0))
+    assert torch.equal(got, expected)
+
+
+_NVFP4 = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "scale_dtype": torch.float8_e4m3fn,
+}
+_MXFP4 = {
+    "num_bits": 4,
+    "type": "float",
+    "group_size": 32,
+    "scale_dtype": torch.uint8,
+    "zp_dtype": torch.uint8,
+}
+_WEIGHT, _INPUT = (256, 512), (4, 64, 512)
+# (id, base_name, args, shape, round_scales)
+CASES = [
+    ("int4-group", "weight", {"num_bits": 4, "group_size": 128}, _WEIGHT, False),
+    (
+        "int4-asym-group",
+        "weight",
+        {"num_bits": 4, "group_size": 128, "symmetric": False},
+        _WEIGHT,
+        False,
+    ),
+    ("int8-channel", "weight", {"num_bits": 8, "strategy": "channel"}, _WEIGHT, False),
+    ("fp8-tensor", "input", {"num_bits": 8, "type": "float"}, _INPUT, False),
+    ("int8-groups", "input", {"num_bits": 8, "group_size": 64}, _INPUT, False),
+    ("nvfp4", "weight", _NVFP4, _WEIGHT, False),
+    ("nvfp4-rounded-scales", "weight", _NVFP4, _WEIGHT, True),
+    ("mxfp4", "weight", _MXFP4, _WEIGHT, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_candidate_errors_equal_eager(
+    case: tuple[str, str, dict[str, Any], tuple[int, ...], bool],
+) -> None:
+    _, base_name, kwargs, shape, round_scales = case
+    args = QuantizationArgs(**kwargs)
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen)
+    x = flatten_for_calibration(value, base_name, args)
+    mins, maxs = minmax(x)
+    scoring = search_args(args, round_scales)
+    gscale = generate_gparam(mins.min(), maxs.max()) if round_scales else None
+    factors = shrink_factors(0.2, 100)
+
+    def errors() -> torch.Tensor:
+        return candidate_errors(x, scoring, mins, maxs, factors, global_scale=gscale)
+
+    got, expected = errors(), _eager(errors)
+    assert torch.allclose(got, expected, rtol=2e-6, atol=0)
+    # the chosen candidates agree wherever the eager errors do not nearly tie
+    best = expected.min(dim=0).values
+    runner_up = expected.where(expected > best, float("inf")).min(dim=0).values
+    clear = runner_up > best * (1 + 1e-5)
+    assert torch.equal(got.argmin(dim=0)[clear], expected.argmin(dim=0)[clear])
+
+
+def test_unsupported_norms_and_formats_stay_eager() -> None:
+    x = torch.randn(1, 4, 16)
+    scale = torch.ones(2, 4)
+    fmt = QuantizationArgs(num_bits=8).format
+    assert native.mse_errors(x, scale, None, fmt, 3.0) is None
+    assert native.mse_errors(x.double(), scale, None, fmt, 2.4) is None
+    assert native.mse_errors(x, scale, None, fmt, 2.4) is not None
+
+
+def test_disabled_by_environment() -> None:
+    code = "from quantobs import native; print(native.available())"
+    env = {**os.environ, "QUANTOBS_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_set_enabled_switches_and_returns_previous() -> None:
+    assert native.set_enabled(False) is True
+    assert not native.available()
+    assert native.set_enabled(True) is False
+    assert native.available()
