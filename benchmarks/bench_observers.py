@@ -18,7 +18,11 @@ of a few without warm-up for MSE (seconds per run). The floor is
 which no min-max observer can beat. The MSE rows also report the quantization
 error of both results, scored alike with `quantobs.fake_quantize`.
 
+Ours uses the native kernels (`quantobs.native`) when they build; `--eager`
+times the torch-only path.
+
 Run: .venv/bin/python benchmarks/bench_observers.py [--quick] [--only NAME]
+     [--eager]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 import quantobs
+from quantobs import native
 
 NORM = 2.4  # the MSE observers' default error exponent
 
@@ -332,7 +337,8 @@ def print_header(
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}; quantobs "
-        f"{quantobs.__version__}{git_revision()}; "
+        f"{quantobs.__version__}{git_revision()} "
+        f"({'native kernels' if native.available() else 'torch ops only'}); "
         f"{peers['versions'] if peers else 'no peers'}"
     )
     print(
@@ -453,7 +459,13 @@ def main() -> None:
         "--mse-repeat", type=int, default=0, help="MSE: best of (default: per case)"
     )
     parser.add_argument("--no-peers", action="store_true", help="skip peer timings")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="ours without the native kernels (torch ops only)",
+    )
     options = parser.parse_args()
+    native.set_enabled(not options.eager)
     if options.quick:
         options.repeat, options.warmup = 1, 0
         options.mse_repeat = options.mse_repeat or 1

@@ -192,27 +192,33 @@ ALWAYS_INLINE void qparam_minmax(const float *restrict x, int64_t n, int64_t q,
     *hi = nan ? NAN : mx;
 }
 
-/* one copy per common group size: a constant g unrolls the row */
-#define MINMAX(G)                                                                  \
-    static void minmax_##G(const float *restrict x, int64_t n, int64_t q,          \
-                           int64_t g, float *restrict mins, float *restrict maxs, \
-                           int threads) {                                          \
-        (void)g;                                                                   \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")          \
-        for (int64_t j = 0; j < q; ++j)                                            \
-            qparam_minmax(x, n, q, G, j, mins + j, maxs + j);                      \
+/* rows of 16 (NVFP4 groups), one per qparam: unrolled whole, no reduction */
+static void minmax_rows16(const float *restrict x, int64_t q, float *restrict mins,
+                          float *restrict maxs, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < q; ++j) {
+        const float *row = x + j * 16;
+        float mn = row[0], mx = row[0];
+        int nan = 0;
+        for (int i = 0; i < 16; ++i) {
+            float v = row[i];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nan |= v != v;
+        }
+        mins[j] = nan ? NAN : mn;
+        maxs[j] = nan ? NAN : mx;
     }
-MINMAX(16) MINMAX(32) MINMAX(64) MINMAX(128) MINMAX(g)
+}
 
 void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
                float *maxs, int threads) {
-    switch (g) {
-    case 16: minmax_16(x, n, q, g, mins, maxs, threads); break;
-    case 32: minmax_32(x, n, q, g, mins, maxs, threads); break;
-    case 64: minmax_64(x, n, q, g, mins, maxs, threads); break;
-    case 128: minmax_128(x, n, q, g, mins, maxs, threads); break;
-    default: minmax_g(x, n, q, g, mins, maxs, threads);
+    if (n == 1 && g == 16) {
+        minmax_rows16(x, q, mins, maxs, threads);
+        return;
     }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < q; ++j) qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
 }
 
 /* pow24 over an array: for the tests */
