@@ -62,10 +62,16 @@ def _same(a: Histogram, b: Histogram) -> bool:
 @pytest.mark.parametrize("absolute", [False, True], ids=["signed", "abs"])
 @pytest.mark.parametrize(
     ("shape", "scale", "shift"),
-    [((200, 3, 50), 1.0, 0.0), ((1, 4, 999), 1e-3, 5.0), ((64, 1, 8), 3e4, -1e5)],
+    [
+        ((200, 3, 50), 1.0, 0.0),
+        ((1, 4, 999), 1e-3, 5.0),
+        ((64, 1, 8), 3e4, -1e5),
+        ((1, 1, 300000), 1.0, 0.0),  # one qparam, cut in pieces between threads
+        ((3, 1, 70000), 2.0, 1.0),
+    ],
 )
 def test_binning_is_exact(
-    shape: tuple[int, ...], scale: float, shift: float, absolute: bool
+    shape: tuple[int, ...], scale: float, shift: float, absolute: bool, backend: str
 ) -> None:
     x = torch.randn(shape, generator=_gen(1)) * scale + shift
     hist = histogram_of(x, bins=64, absolute=absolute)
@@ -80,7 +86,7 @@ def test_binning_is_exact(
         assert bool((hist.offset == 0).all())
 
 
-def test_counts_are_exact_past_float32_saturation() -> None:
+def test_counts_are_exact_past_float32_saturation(backend: str) -> None:
     # torch.histc counts in float32: a bin stops at 2**24 (per thread).
     n = (1 << 24) + 5
     x = torch.ones(n).reshape(-1, 1, 1)
@@ -108,7 +114,7 @@ def test_grid_is_a_function_of_the_range() -> None:
     assert exponent[5].item() == -126 and offset[5].item() == 0  # no data
 
 
-def test_nonfinite_values_are_not_counted() -> None:
+def test_nonfinite_values_are_not_counted(backend: str) -> None:
     x = torch.randn(10, 2, 6, generator=_gen(2))
     x[0, 0, 0], x[3, 1, 2], x[4, 1, 5] = math.nan, math.inf, -math.inf
     hist = histogram_of(x, bins=32)

@@ -8,6 +8,9 @@
  *   and G (the canonical layout of quantobs.layout). NaN propagates like
  *   torch.amin / torch.amax.
  *
+ * qo_histogram: exact integer counts of x on each qparam's power-of-two grid
+ *   (quantobs.histogram's binning).
+ *
  * qo_mse_errors: for each candidate c and qparam q, the error
  *   sum_{n,g} |fake_quant(x[n,q,g]) - x[n,q,g]| ** norm, with fake_quant's
  *   float32 arithmetic in its order:
@@ -166,10 +169,19 @@ void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
     {
         double *mine = calloc((size_t)(c * q), sizeof(double));
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; ++r) score(x, q, g, c, scale, zero_point, &f, mine, r, r + 1, 0, q);
+        for (int64_t r = 0; r < n; ++r) {
+            if (mine) {
+                score(x, q, g, c, scale, zero_point, &f, mine, r, r + 1, 0, q);
+                continue;
+            }
 #pragma omp critical
-        for (int64_t i = 0; i < c * q; ++i) out[i] += mine[i];
-        free(mine);
+            score(x, q, g, c, scale, zero_point, &f, out, r, r + 1, 0, q);
+        }
+        if (mine) {
+#pragma omp critical
+            for (int64_t i = 0; i < c * q; ++i) out[i] += mine[i];
+            free(mine);
+        }
     }
 }
 
@@ -219,6 +231,83 @@ void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < q; ++j) qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
+}
+
+/* counts[j, b] += #{x in qparam j : floor(x * inv[j]) - off[j] == b}, with b
+ * clamped to [0, bins) and NaN skipped; |x| when absolute. inv[j] is a power
+ * of two and off[j] an integer, so every step is exact (see histogram.py).
+ * Bins are found a block at a time (vectorized), then counted into WAYS
+ * interleaved copies, so repeats of one bin do not wait on each other. */
+static void count_rows(const float *restrict x, int64_t len, float inv, float off,
+                       int64_t bins, int absolute, int64_t *restrict counts) {
+    enum { BLOCK = 512, WAYS = 4 };
+    int32_t index[BLOCK];
+    int64_t stride = bins + 1; /* bin `bins`: NaN */
+    int64_t *ways = len >= 8 * WAYS * bins ? calloc((size_t)(WAYS * stride), 8) : NULL;
+    const float top = (float)(bins - 1), nan_bin = (float)bins;
+    for (int64_t start = 0; start < len; start += BLOCK) {
+        int64_t m = len - start < BLOCK ? len - start : BLOCK;
+        for (int64_t i = 0; i < m; ++i) {
+            float v = x[start + i] * inv;
+            if (absolute) v = fabsf(v);
+            float b = floorf(v) - off;
+            b = b < 0.0f ? 0.0f : b;
+            b = b > top ? top : b;
+            index[i] = (int32_t)(v != v ? nan_bin : b);
+        }
+        if (ways) {
+            for (int64_t i = 0; i < m; ++i) ways[(i % WAYS) * stride + index[i]] += 1;
+            continue;
+        }
+        for (int64_t i = 0; i < m; ++i)
+            if (index[i] < bins) counts[index[i]] += 1;
+    }
+    if (ways) {
+        for (int w = 0; w < WAYS; ++w)
+            for (int64_t k = 0; k < bins; ++k) counts[k] += ways[w * stride + k];
+        free(ways);
+    }
+}
+
+void qo_histogram(const float *x, int64_t n, int64_t q, int64_t g, const float *inv,
+                  const float *off, int64_t bins, int absolute, int64_t *counts,
+                  int threads) {
+    if (q >= threads) {
+        /* qparams are independent: each histogram row has one writer */
+#pragma omp parallel for schedule(dynamic, 8) num_threads(threads)
+        for (int64_t j = 0; j < q; ++j)
+            for (int64_t r = 0; r < n; ++r)
+                count_rows(x + (r * q + j) * g, g, inv[j], off[j], bins, absolute,
+                           counts + j * bins);
+        return;
+    }
+    /* few qparams: pieces of rows go to threads, each with its own counts */
+    enum { PIECE = 1 << 16 };
+    int64_t pieces = (g + PIECE - 1) / PIECE;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t *mine = calloc((size_t)(q * bins), sizeof(int64_t));
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < n * pieces; ++u) {
+            int64_t r = u / pieces, start = (u % pieces) * PIECE;
+            int64_t len = g - start < PIECE ? g - start : PIECE;
+            for (int64_t j = 0; j < q; ++j) {
+                const float *piece = x + (r * q + j) * g + start;
+                if (mine) {
+                    count_rows(piece, len, inv[j], off[j], bins, absolute,
+                               mine + j * bins);
+                    continue;
+                }
+#pragma omp critical
+                count_rows(piece, len, inv[j], off[j], bins, absolute, counts + j * bins);
+            }
+        }
+        if (mine) {
+#pragma omp critical
+            for (int64_t i = 0; i < q * bins; ++i) counts[i] += mine[i];
+            free(mine);
+        }
+    }
 }
 
 /* pow24 over an array: for the tests */

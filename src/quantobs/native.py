@@ -33,6 +33,7 @@ import torch
 from quantobs.formats import NumberFormat
 
 __all__ = [
+    "add_counts",
     "available",
     "minmax",
     "mse_errors",
@@ -124,6 +125,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_mse_errors.argtypes = [_P, _I, _I, _I, _I, _P, _P, _F, _F]
         lib.qo_mse_errors.argtypes += [_INT, _INT, _INT, _F, _P, _INT]
         lib.qo_mse_errors.restype = None
+        lib.qo_histogram.argtypes = [_P, _I, _I, _I, _P, _P, _I, _INT, _P, _INT]
+        lib.qo_histogram.restype = None
         lib.qo_pow24.argtypes = [_P, _P, _I]
         lib.qo_pow24.restype = None
         return lib
@@ -172,6 +175,47 @@ def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         torch.get_num_threads(),
     )
     return mins, maxs
+
+
+def add_counts(
+    x3: torch.Tensor,
+    inv: torch.Tensor,
+    offset: torch.Tensor,
+    counts: torch.Tensor,
+    absolute: bool,
+) -> bool:
+    """Add the histogram counts of `x3` into `counts`; False if not run.
+
+    Args:
+        x3: `(N, Q, G)` float32 values; NaN entries are skipped.
+        inv: `(Q,)` float32 inverse bin widths (powers of two).
+        offset: `(Q,)` float32 integer offsets of each grid's bin 0.
+        counts: `(Q, bins)` contiguous int64 counts, updated in place.
+        absolute: count `abs(x)`.
+
+    Bin of x: `floor(x * inv) - offset`, clamped to `[0, bins)` (see
+    `quantobs.histogram`, whose torch path computes the same).
+    """
+    if x3.ndim != 3 or not _usable(x3):
+        return False
+    if counts.dtype != torch.int64 or not counts.is_contiguous():
+        return False
+    n, q, g = x3.shape
+    inv = inv.to(torch.float32).contiguous()
+    offset = offset.to(torch.float32).contiguous()
+    _loaded().qo_histogram(
+        x3.data_ptr(),
+        n,
+        q,
+        g,
+        inv.data_ptr(),
+        offset.data_ptr(),
+        counts.shape[-1],
+        int(absolute),
+        counts.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return True
 
 
 def mse_supported(fmt: NumberFormat, norm: float) -> bool:
