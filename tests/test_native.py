@@ -6,6 +6,7 @@ elsewhere (llm-compressor parity, min/max layouts) run both paths.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -164,6 +165,40 @@ def test_candidate_errors_equal_eager(
     runner_up = expected.where(expected > best, float("inf")).min(dim=0).values
     clear = runner_up > best * (1 + 1e-5)
     assert torch.equal(got.argmin(dim=0)[clear], expected.argmin(dim=0)[clear])
+
+
+def _histc_inputs() -> list[tuple[torch.Tensor, int, float, float]]:
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for trial in range(60):
+        x = torch.randn(int(torch.randint(1, 3000, (), generator=gen)), generator=gen)
+        x = (x + trial) * [1.0, 1e-30, 1e4, 3e3][trial % 4]
+        bins = int(torch.randint(1, 2500, (), generator=gen))
+        lo, hi = (float(v) for v in torch.aminmax(x))
+        if trial % 3 == 0:  # a wider range with values exactly on its bin edges
+            lo, hi = lo - 1.0, hi * 2 + 1.0
+            edges = torch.linspace(lo, hi, bins + 1)
+            x = torch.cat([x, edges, torch.tensor([math.nan])])
+        if trial % 5 == 0:  # values outside the range are skipped
+            lo, hi = (lo + hi) / 2 - 0.1, hi - 0.25 * (hi - lo)
+        cases.append((x, bins, lo, hi))
+    return cases
+
+
+def test_histc_equals_torch_bit_for_bit() -> None:
+    for x, bins, lo, hi in _histc_inputs():
+        got = native.histc(x, bins, lo, hi)
+        assert got is not None
+        assert torch.equal(got, torch.histc(x, bins, min=lo, max=hi))
+
+
+def test_histc_declines_where_torch_counts_differently() -> None:
+    x = torch.randn(100)
+    assert native.histc(x.to(torch.bfloat16), 10, -1.0, 1.0) is None  # bf16 math
+    assert native.histc(x, 10, 1.0, 1.0) is None  # torch widens a point range
+    assert native.histc(x * 3e37, 300, -1e38, 1e38) is None  # (v - lo) * bins overflows
+    many = torch.zeros((1 << 24) + 1)  # a bin past 2**24: float32 counts round
+    assert native.histc(many, 4, -1.0, 1.0) is None
 
 
 def test_unsupported_norms_and_formats_stay_eager() -> None:

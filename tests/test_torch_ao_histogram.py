@@ -44,7 +44,7 @@ CASES = [(c, s) for c in CONFIGS for s in _FAST] + [("default", "huge")]
 
 
 @pytest.mark.parametrize("config, scenario", CASES, ids=[f"{c}-{s}" for c, s in CASES])
-def test_histogram_matches_torch(config: str, scenario: str) -> None:
+def test_histogram_matches_torch(config: str, scenario: str, backend: str) -> None:
     a, b = histogram_pair(**CONFIGS[config])
     xs = batches(scenario)
     observe(a, xs)
@@ -69,7 +69,7 @@ def _heavy_tails() -> list[torch.Tensor]:
         "heavy_tails",  # the search walks far
     ],
 )
-def test_histogram_update_paths_match_torch(update: str) -> None:
+def test_histogram_update_paths_match_torch(update: str, backend: str) -> None:
     g = torch.Generator().manual_seed(11)
     x = torch.randn(300, generator=g)
     xs = {

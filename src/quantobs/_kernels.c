@@ -11,6 +11,8 @@
  * qo_histogram: exact integer counts of x on each qparam's power-of-two grid
  *   (quantobs.histogram's binning).
  *
+ * qo_histc: torch.histc's float32 bin selection with exact integer counts.
+ *
  * qo_mse_errors: for each candidate c and qparam q, the error
  *   sum_{n,g} |fake_quant(x[n,q,g]) - x[n,q,g]| ** norm, with fake_quant's
  *   float32 arithmetic in its order:
@@ -306,6 +308,46 @@ void qo_histogram(const float *x, int64_t n, int64_t q, int64_t g, const float *
 #pragma omp critical
             for (int64_t i = 0; i < q * bins; ++i) counts[i] += mine[i];
             free(mine);
+        }
+    }
+}
+
+/* torch.histc's binning of float32 x over [lo, hi] (lo < hi, hi - lo finite):
+ * pos = (int)(((v - lo) * bins) / (hi - lo)) in float32, the last bin closed,
+ * values outside [lo, hi] and NaN skipped; exact integer counts. */
+void qo_histc(const float *x, int64_t n, float lo, float hi, int64_t bins,
+              int64_t *counts, int threads) {
+    enum { BLOCK = 512, WAYS = 4 };
+    const float span = hi - lo, scale = (float)bins, skip = (float)(bins + 1);
+    int64_t stride = bins + 2; /* bins + 1: skipped values */
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t *ways = calloc((size_t)(WAYS * stride), sizeof(int64_t));
+        int32_t index[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < blocks; ++k) {
+            const float *block = x + k * BLOCK;
+            int64_t m = n - k * BLOCK < BLOCK ? n - k * BLOCK : BLOCK;
+            for (int64_t i = 0; i < m; ++i) {
+                float v = block[i];
+                float t = ((v - lo) * scale) / span;
+                t = t >= scale ? scale - 1.0f : t; /* hi: the last bin */
+                index[i] = (int32_t)((v >= lo && v <= hi) ? t : skip);
+            }
+            if (ways) {
+                for (int64_t i = 0; i < m; ++i) ways[(i % WAYS) * stride + index[i]] += 1;
+                continue;
+            }
+#pragma omp critical
+            for (int64_t i = 0; i < m; ++i)
+                if (index[i] < bins) counts[index[i]] += 1;
+        }
+        if (ways) {
+#pragma omp critical
+            for (int w = 0; w < WAYS; ++w)
+                for (int64_t b = 0; b < bins; ++b) counts[b] += ways[w * stride + b];
+            free(ways);
         }
     }
 }

@@ -35,6 +35,7 @@ from quantobs.formats import NumberFormat
 __all__ = [
     "add_counts",
     "available",
+    "histc",
     "minmax",
     "mse_errors",
     "mse_supported",
@@ -127,6 +128,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_mse_errors.restype = None
         lib.qo_histogram.argtypes = [_P, _I, _I, _I, _P, _P, _I, _INT, _P, _INT]
         lib.qo_histogram.restype = None
+        lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
+        lib.qo_histc.restype = None
         lib.qo_pow24.argtypes = [_P, _P, _I]
         lib.qo_pow24.restype = None
         return lib
@@ -216,6 +219,44 @@ def add_counts(
         torch.get_num_threads(),
     )
     return True
+
+
+# float32 counts are exact integers up to here; past it torch.histc rounds
+_EXACT_FLOAT_COUNT = 1 << 24
+
+
+def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | None:
+    """`torch.histc(x, bins, min=lo, max=hi)` bit for bit, or None.
+
+    Same float32 bin selection as torch (`int(((v - lo) * bins) / (hi - lo))`,
+    the last bin closed, values outside `[lo, hi]` and NaN skipped), counted
+    exactly; returns None (use torch.histc) for non-float32 input, `lo >= hi`,
+    `(hi - lo) * bins` beyond float32 (torch's own binning overflows there),
+    or a bin reaching 2**24, where torch's float32 counts stop being exact.
+    """
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
+        return None
+    lo32, hi32 = torch.tensor([lo, hi], dtype=torch.float32).tolist()
+    span = torch.tensor(hi32 - lo32, dtype=torch.float32)
+    # (v - lo) * bins must not overflow float32 (torch then bins by UB casts)
+    if not (lo32 < hi32 and float(span) * bins < 1e38):
+        return None
+    if x.numel() == 0 or bins < 1 or bins >= 1 << 30:
+        return None
+    values = x.reshape(-1).contiguous()
+    counts = torch.zeros(bins, dtype=torch.int64)
+    _loaded().qo_histc(
+        values.data_ptr(),
+        values.numel(),
+        lo32,
+        hi32,
+        bins,
+        counts.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if int(counts.max()) >= _EXACT_FLOAT_COUNT:
+        return None
+    return counts.to(torch.float32)
 
 
 def mse_supported(fmt: NumberFormat, norm: float) -> bool:

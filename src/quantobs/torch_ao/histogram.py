@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from quantobs import native
 from quantobs.solvers.histogram_l2 import l2_search, torch_l2_search
 from quantobs.torch_ao.base import (
     FLOAT32_EPS,
@@ -120,6 +121,16 @@ def merge_histograms(
         return at_value * torch.sum(old_hist) + new_hist
     moved = rebin_histogram(old_hist, old_min, old_max, new_min, new_max, upsample_rate)
     return new_hist + moved
+
+
+def _histc(
+    x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor
+) -> torch.Tensor:
+    """`torch.histc(x, bins, min=lo, max=hi)`: the native kernel's exact
+    counts where it applies (float32; same bins, same numbers), else torch."""
+    low, high = float(lo), float(hi)
+    counts = native.histc(x, bins, low, high)
+    return torch.histc(x, bins, min=low, max=high) if counts is None else counts
 
 
 class HistogramObserver(UniformQuantizationObserverBase):
@@ -227,13 +238,13 @@ class HistogramObserver(UniformQuantizationObserverBase):
             x_min, x_max = torch.aminmax(x)
 
         if bool(self.min_val == math.inf) or bool(self.max_val == -math.inf):
-            batch = torch.histc(x, self.bins, min=x_min, max=x_max)  # type: ignore[arg-type]
+            batch = _histc(x, self.bins, x_min, x_max)
             self._store(batch, x_min, x_max)
             return x_orig
         old_min, old_max = self.min_val, self.max_val
         new_min = torch.min(old_min, x_min).detach()
         new_max = torch.max(old_max, x_max).detach()
-        batch = torch.histc(x, self.bins, min=new_min, max=new_max)  # type: ignore[arg-type]
+        batch = _histc(x, self.bins, new_min, new_max)
         merged = merge_histograms(
             self.histogram,
             old_min,
