@@ -269,8 +269,8 @@ def torch_l2_search(
 
     start_bin, end_bin = 0, bins - 1
     norm_min = float("inf")
-    # torch usually stops within a dozen proposals: score blocks of growing size.
-    size, most = 16, max(16, _PROPOSAL_ELEMS // bins)
+    # torch usually stops within 3 to 8 proposals: score blocks of growing size.
+    size, most = 8, max(8, _PROPOSAL_ELEMS // bins)
     while block := list(itertools.islice(proposals, size)):
         pairs = torch.tensor(block, dtype=torch.int64, device=histogram.device)
         errors = _torch_errors(
