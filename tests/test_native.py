@@ -21,6 +21,7 @@ from quantobs.layout import flatten_for_calibration
 from quantobs.mse import candidate_errors, search_args, shrink_factors
 from quantobs.qparams import generate_gparam
 from quantobs.stats import minmax
+from tests.test_observers import _MXFP4, _NVFP4
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="no C compiler: the native kernels are not built"
@@ -107,20 +108,6 @@ def test_rounding_equals_eager_element_by_element(fmt: str) -> None:
     assert torch.equal(got, expected)
 
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
-_MXFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "group_size": 32,
-    "scale_dtype": torch.uint8,
-    "zp_dtype": torch.uint8,
-}
 _WEIGHT, _INPUT = (256, 512), (4, 64, 512)
 # (id, base_name, args, shape, round_scales)
 CASES = [

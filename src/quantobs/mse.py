@@ -55,6 +55,26 @@ def search_args(args: QuantizationArgs, round_scales: bool = False) -> Quantizat
     return args
 
 
+def _candidate_qparams(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(C, Q)` effective scales (divided by any global scale, as fake_quantize
+    applies them) and zero points of the candidates `factors * range`."""
+    scale, zero_point = calculate_qparams(
+        min_vals[None, :] * factors[:, None],
+        max_vals[None, :] * factors[:, None],
+        args,
+        global_scale,
+    )
+    if global_scale is not None:
+        scale = scale / global_scale
+    return scale, zero_point
+
+
 def _errors_of_chunk(
     x: torch.Tensor,
     min_vals: torch.Tensor,
@@ -65,11 +85,9 @@ def _errors_of_chunk(
     global_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     # x: (N, Qc, G); min_vals, max_vals: (Qc,); factors: (C,) -> errors (C, Qc)
-    cand_min = min_vals[None, :] * factors[:, None]  # (C, Qc)
-    cand_max = max_vals[None, :] * factors[:, None]
-    scale, zero_point = calculate_qparams(cand_min, cand_max, args, global_scale)
-    if global_scale is not None:
-        scale = scale / global_scale  # fake_quantize's effective scale
+    scale, zero_point = _candidate_qparams(
+        min_vals, max_vals, factors, args, global_scale
+    )
     scale = scale[:, None, :, None]  # (C, 1, Qc, 1)
     x_c = x.to(torch.float32)[None]  # (1, N, Qc, G)
     fmt = args.format
@@ -101,14 +119,9 @@ def _native_errors(
     if not native.available():
         return None
     # x3: (N, Qn, G); scales and zero points of every candidate: (C, Qn)
-    scale, zero_point = calculate_qparams(
-        min_vals[None, :] * factors[:, None],
-        max_vals[None, :] * factors[:, None],
-        args,
-        global_scale,
+    scale, zero_point = _candidate_qparams(
+        min_vals, max_vals, factors, args, global_scale
     )
-    if global_scale is not None:
-        scale = scale / global_scale  # fake_quantize's effective scale
     values = x3 if x3.dtype == torch.float32 else x3.to(torch.float32)
     return native.mse_errors(
         values.contiguous(),
