@@ -54,7 +54,7 @@ def _values(count: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([x, ties, torch.tensor([0.0, -0.0, 1e-40, -3e-39, 448.0])])
 
 
-@pytest.mark.parametrize("groups", [1, 3, 16, 32, 64, 128, 4096, 100])
+@pytest.mark.parametrize("groups", [8, 9, 16, 32, 64, 128, 4096, 100])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_minmax_equals_torch(groups: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(groups * 10 + rows)
@@ -72,7 +72,19 @@ def test_minmax_equals_torch(groups: int, rows: int) -> None:
     assert torch.isnan(got[0][[5, 7]]).all() and torch.isnan(got[1][[5, 7]]).all()
 
 
+def test_minmax_of_many_rows_equals_torch() -> None:
+    # rows split between threads, partial min/max folded
+    x = torch.randn(257, 5, 24, generator=torch.Generator().manual_seed(4))
+    x[200, 3, 7] = float("nan")
+    got = native.minmax(x)
+    assert got is not None
+    assert torch.equal(got[0][[0, 1, 2, 4]], x.amin(dim=(0, 2))[[0, 1, 2, 4]])
+    assert torch.equal(got[1][[0, 1, 2, 4]], x.amax(dim=(0, 2))[[0, 1, 2, 4]])
+    assert torch.isnan(got[0][3]) and torch.isnan(got[1][3])
+
+
 def test_minmax_declines_what_it_does_not_handle() -> None:
+    assert native.minmax(torch.randn(64, 8, 4)) is None  # short groups: torch
     x = torch.randn(2, 8, 16)
     assert native.minmax(x.to(torch.bfloat16)) is None  # float32 only
     assert native.minmax(x.transpose(0, 1)) is None  # contiguous only

@@ -231,8 +231,38 @@ void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
         minmax_rows16(x, q, mins, maxs, threads);
         return;
     }
+    /* many rows: each thread folds a block of rows (read in order) into its
+     * own min/max, then the blocks are folded; one row: qparams split */
+    float *part = n > 1 ? malloc((size_t)(threads * 2 * q) * sizeof(float)) : NULL;
+    if (!part) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < q; ++j) qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
+        for (int64_t j = 0; j < q; ++j) qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < threads; ++t) {
+        float *lo = part + (int64_t)t * 2 * q, *hi = lo + q;
+        int64_t r0 = n * t / threads, r1 = n * (t + 1) / threads;
+        for (int64_t j = 0; j < q; ++j) lo[j] = hi[j] = x[j * g];
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t j = 0; j < q; ++j) {
+                float a, b;
+                qparam_minmax(x + r * q * g, 1, q, g, j, &a, &b);
+                lo[j] = (a < lo[j] || a != a) ? a : lo[j];
+                hi[j] = (b > hi[j] || b != b) ? b : hi[j];
+            }
+    }
+    for (int64_t j = 0; j < q; ++j) {
+        float lo = part[j], hi = part[q + j];
+        for (int t = 1; t < threads; ++t) {
+            float a = part[(int64_t)t * 2 * q + j], b = part[(int64_t)t * 2 * q + q + j];
+            lo = (a < lo || a != a) ? a : lo;
+            hi = (b > hi || b != b) ? b : hi;
+        }
+        mins[j] = lo;
+        maxs[j] = hi;
+    }
+    free(part);
 }
 
 /* counts[j, b] += #{x in qparam j : floor(x * inv[j]) - off[j] == b}, with b

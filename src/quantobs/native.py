@@ -1,4 +1,4 @@
-"""Optional native kernels: min/max per qparam and MSE candidate errors.
+"""Optional native kernels: min/max, MSE candidate errors, histogram counts.
 
 `_kernels.c` is compiled once per machine with the system C compiler (`$CC`
 or `cc`; OpenMP when the compiler has it), cached under
@@ -9,9 +9,10 @@ gives the same min/max bit for bit and the same MSE errors to float32
 rounding (the kernel's `|e| ** 2.4` is within 3e-7 relative of `powf`, and
 sums are float64).
 
-The kernels take contiguous float32 CPU tensors in the canonical layout
-`(N, Q, G)`; `minmax` and `mse_errors` return None for anything else, and the
-caller falls back to torch.
+The kernels take contiguous float32 CPU tensors (the canonical layout
+`(N, Q, G)` where they reduce per qparam); each function returns None (or
+False) where it does not apply, and the caller falls back to torch.
+`histc` is `torch.histc`'s twin for the torch.ao face, exact where it runs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ _COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
 # Tried in order: tuned for this CPU with threads, then portable, then serial.
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
+_MIN_GROUP = 8  # shortest group the min/max kernel takes
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 
@@ -162,8 +164,10 @@ def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`(N, Q, G)` float32 -> `(Q,)` min and max over N and G, or None.
 
     Equal to `torch.amin` / `torch.amax` over dims `(0, 2)` (NaN propagates).
+    Groups shorter than 8 values stay with torch, which vectorizes across
+    qparams there.
     """
-    if x3.ndim != 3 or not _usable(x3):
+    if x3.ndim != 3 or x3.shape[-1] < _MIN_GROUP or not _usable(x3):
         return None
     n, q, g = x3.shape
     mins = torch.empty(q, dtype=torch.float32)
@@ -237,9 +241,8 @@ def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | No
     if x.dtype != torch.float32 or x.device.type != "cpu" or not available():
         return None
     lo32, hi32 = torch.tensor([lo, hi], dtype=torch.float32).tolist()
-    span = torch.tensor(hi32 - lo32, dtype=torch.float32)
     # (v - lo) * bins must not overflow float32 (torch then bins by UB casts)
-    if not (lo32 < hi32 and float(span) * bins < 1e38):
+    if not (lo32 < hi32 and (hi32 - lo32) * bins < 1e38):
         return None
     if x.numel() == 0 or bins < 1 or bins >= 1 << 30:
         return None
