@@ -19,7 +19,7 @@ import torch
 from quantobs import QuantizationArgs, native
 from quantobs.layout import flatten_for_calibration
 from quantobs.mse import candidate_errors, search_args, shrink_factors
-from quantobs.qparams import generate_gparam
+from quantobs.qparams import calculate_qparams, generate_gparam
 from quantobs.stats import minmax
 from tests.test_observers import _MXFP4, _NVFP4
 
@@ -45,12 +45,25 @@ def _eager(run: Callable[[], torch.Tensor]) -> torch.Tensor:
         native.set_enabled(previous)
 
 
+def _qparams(
+    args: QuantizationArgs,
+    mins: torch.Tensor,
+    maxs: torch.Tensor,
+    factors: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    scale, zero_point = calculate_qparams(
+        mins[None] * factors[:, None], maxs[None] * factors[:, None], args
+    )
+    return scale, None if args.symmetric else zero_point
+
+
 def _values(count: int, seed: int = 0) -> torch.Tensor:
     """Values over many binades, plus exact grid points and rounding ties."""
     gen = torch.Generator().manual_seed(seed)
     mags = torch.exp2(torch.randint(-30, 12, (count,), generator=gen).float())
     x = torch.randn(count, generator=gen) * mags
-    ties = torch.arange(-64, 64, dtype=torch.float32) / 4  # k / 4: ties of halves
+    # k / 32: grid values and midpoints of every format at scales 1, 1/4, 2
+    ties = torch.arange(-512, 513, dtype=torch.float32) / 32
     return torch.cat([x, ties, torch.tensor([0.0, -0.0, 1e-40, -3e-39, 448.0])])
 
 
@@ -108,16 +121,20 @@ def test_pow24_is_within_3e_7_of_exact() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=list(FORMATS))
 def test_rounding_equals_eager_element_by_element(fmt: str) -> None:
-    """Norm 2 on one-element rows: each error is one squared rounding error,
-    computed with the same float32 operations on both sides: equal exactly."""
+    """Norm 2, one nonzero value per group (zeros score exactly 0): each error
+    is one squared rounding error, computed with the same float32 operations
+    on both sides, so equal exactly."""
     args = QuantizationArgs(**FORMATS[fmt], strategy="channel")
-    x = _values(20000).reshape(1, -1, 1)  # (N=1, Q, G=1)
-    amax = x.abs().amax() * torch.tensor([1.0, 0.5, 1e-3, 1e-9])  # 4 candidates
+    values = _values(20000)
+    x = torch.zeros(1, values.numel(), 8)  # (N=1, Q, G=8)
+    x[0, :, 3] = values
+    # candidate ranges +-factor: scales 1, 1/4, 2 (grids land exactly), tiny
+    half = (args.format.max - args.format.min) / 2
+    factors = half * torch.tensor([1.0, 0.25, 2.0, 1e-3, 1e-9])
     mins, maxs = torch.full((x.shape[1],), -1.0), torch.full((x.shape[1],), 1.0)
-    factors = amax.float()
-    got = candidate_errors(x, args, mins, maxs, factors, norm=2.0)
+    got = native.mse_errors(x, *_qparams(args, mins, maxs, factors), args.format, 2.0)
     expected = _eager(lambda: candidate_errors(x, args, mins, maxs, factors, norm=2.0))
-    assert torch.equal(got, expected)
+    assert got is not None and torch.equal(got, expected)
 
 
 _WEIGHT, _INPUT = (256, 512), (4, 64, 512)
@@ -206,6 +223,10 @@ def test_unsupported_norms_and_formats_stay_eager() -> None:
     fmt = QuantizationArgs(num_bits=8).format
     assert native.mse_errors(x, scale, None, fmt, 3.0) is None
     assert native.mse_errors(x.double(), scale, None, fmt, 2.4) is None
+    assert (
+        native.mse_errors(x.reshape(1, 16, 4), scale.repeat(1, 4), None, fmt, 2.4)
+        is None
+    )
     assert native.mse_errors(x, scale, None, fmt, 2.4) is not None
 
 

@@ -160,13 +160,13 @@ void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
     int has_zp = zero_point != NULL;
     Scorer score = SCORERS[kind * 4 + has_zp * 2 + (is_float != 0)];
     memset(out, 0, sizeof(double) * (size_t)(c * q));
-    if (n == 1 || q >= 4 * threads) {
-        /* qparams are independent: split them between threads */
+    if (n == 1 || c * q > (1 << 22)) {
+        /* one row, or tables too large to copy per thread: split qparams */
 #pragma omp parallel for schedule(dynamic, 64) num_threads(threads)
         for (int64_t j = 0; j < q; ++j) score(x, q, g, c, scale, zero_point, &f, out, 0, n, j, j + 1);
         return;
     }
-    /* few qparams, many rows: split the rows, one partial table per thread */
+    /* many rows: split them (read in order), one partial table per thread */
 #pragma omp parallel num_threads(threads)
     {
         double *mine = calloc((size_t)(c * q), sizeof(double));

@@ -51,7 +51,7 @@ _COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
 # Tried in order: tuned for this CPU with threads, then portable, then serial.
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
-_MIN_GROUP = 8  # shortest group the min/max kernel takes
+_MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 
@@ -286,7 +286,9 @@ def mse_errors(
     Returns:
         `(C, Q)` float64 errors, or None where the kernel does not apply.
     """
-    if x3.ndim != 3 or not mse_supported(fmt, norm) or not _usable(x3):
+    if x3.ndim != 3 or x3.shape[-1] < _MIN_GROUP:
+        return None  # short groups: the kernel's per-row overhead dominates
+    if not mse_supported(fmt, norm) or not _usable(x3):
         return None
     n, q, g = x3.shape
     c = scale.shape[0]
