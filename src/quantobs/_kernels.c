@@ -74,8 +74,10 @@ ALWAYS_INLINE float round_format(float v, int is_float, int mantissa_bits, int e
     /* quantum of v's binade, subnormals sharing the smallest normal one */
     int32_t e = (int32_t)((bits_of(v) >> 23) & 0xFFu) - 127;
     e = e < emin ? emin : e;
+    /* powers of two: v * (1 / quantum) is exact, and cheaper than v / quantum */
     float quantum = float_of((uint32_t)(e - mantissa_bits + 127) << 23);
-    return rintf(v / quantum) * quantum;
+    float inverse = float_of((uint32_t)(127 - (e - mantissa_bits)) << 23);
+    return rintf(v * inverse) * quantum;
 }
 
 ALWAYS_INLINE float error_power(float a, int kind, float norm) {
