@@ -181,18 +181,19 @@ def calculate_qparams(
     qmin, qmax = fmt.min, fmt.max
     half_range = (qmax - qmin) / 2
 
-    min_vals = torch.clamp(min_vals.to(work), max=0.0)
-    max_vals = torch.clamp(max_vals.to(work), min=0.0)
-
     zero_point: torch.Tensor | None
     if args.symmetric:
-        amax = torch.maximum(min_vals.abs(), max_vals.abs())
+        # max(|min|, |max|) of the range extended to contain 0:
+        # max(-min, max, 0), the same number in three passes instead of five
+        amax = torch.maximum(-min_vals.to(work), max_vals.to(work)).clamp_(min=0.0)
         if args.is_mx:
             scale = _mx_scales(amax, fmt, pow2 or "even")
         else:
-            scale = amax / half_range
+            scale = amax.div_(half_range)
         zero_point = None  # all zeros, made in zp_dtype below
     else:
+        min_vals = torch.clamp(min_vals.to(work), max=0.0)
+        max_vals = torch.clamp(max_vals.to(work), min=0.0)
         scale = (max_vals - min_vals) / (qmax - qmin)
         wide = ~torch.isfinite(scale)  # max - min overflowed
         if wide.any():
@@ -218,7 +219,7 @@ def calculate_qparams(
         scale = _round_to_dtype(scale, args.scale_dtype)
     scale = scale.to(out_dtype)
     eps = _zero_scale_replacement(args.scale_dtype or out_dtype)
-    scale = scale.masked_fill(scale <= 0, eps)
+    scale = scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
 
     zp_dtype = args.zp_dtype or torch.int8
     if zero_point is None:
