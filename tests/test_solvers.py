@@ -22,6 +22,7 @@ from quantobs.solvers import (
     torch_l2_search,
 )
 from quantobs.solvers.histogram_l2 import (
+    _Bounds,
     _certify,
     _exact_units,
     _prefix_moments,
@@ -545,3 +546,26 @@ def test_certify_finds_the_optimum_from_a_poor_incumbent() -> None:
     got = _exact_units(prefix, counts, best[:, :1], best[:, 1:], levels)
     assert float(got) <= float(every.min()) * (1 + 1e-9) + 1e-12
     assert float(got) < float(start_error)  # the incumbent was improved
+
+
+@pytest.mark.parametrize("levels", [2, 4, 16, 256])
+@pytest.mark.parametrize("kind", ["dense", "sparse", "spikes", "gauss-1e6"])
+def test_certificate_bounds_never_exceed_the_exact_error(
+    kind: str, levels: int
+) -> None:
+    # The certificate is only as sound as its bounds: check them on every pair.
+    counts = _random_histogram(kind, 48, _gen(levels)).reshape(1, -1).double()
+    prefix = _prefix_moments(counts)
+    bounds = _Bounds(prefix, counts, levels)
+    a = torch.arange(49)[:, None]
+    b = torch.arange(49)[None, :]
+    lower = bounds(0, a, b)
+    valid = (b > a).expand(49, 49)
+    starts, ends = a.expand(49, 49)[valid].double(), b.expand(49, 49)[valid].double()
+    exact = _exact_units(prefix, counts, starts[None], ends[None], levels)[0]
+    assert bool((lower[valid] <= exact * (1 + 1e-9) + 1e-9).all())
+    # ... and the reach of a given error keeps every pair below it
+    limit = exact.quantile(0.2).reshape(1)
+    a_max, b_min = bounds.reach(limit)
+    below = exact < limit
+    assert bool((starts[below] < a_max).all()) and bool((ends[below] >= b_min).all())

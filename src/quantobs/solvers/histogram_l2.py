@@ -669,6 +669,8 @@ _PROOF_PAIRS = 1 << 22
 _PROOF_EXACT = 1 << 14
 _PROOF_SLACK = 1e-9  # relative margin for float64 rounding in the bounds
 _PROOF_QPARAMS = 64  # certified one qparam at a time: per-tensor-like searches
+# int over a destination bin of |(x - c)**2 - D**2 / 12| dx, in units of D**3
+_FLAT_ERROR = 0.0642
 
 
 def _sawtooth_floor(width: torch.Tensor) -> torch.Tensor:
@@ -681,6 +683,64 @@ def _sawtooth_floor(width: torch.Tensor) -> torch.Tensor:
     return (periods * width**3 + rest**3) / 12
 
 
+class _Bounds:
+    """Lower bounds on the exact L2 error of bin-edge ranges `[a, b]`.
+
+    For `[a, b]` (bin units, `D = (b - a) / levels`) the error is the clipping
+    error (values below `a` go to the center `a + D/2`, above `b` to
+    `b - D/2`), computed exactly from prefix moments, plus the error inside,
+    which is at least the larger of
+
+    * `mass(a, b) * sawtooth_floor(D)` (any density), and
+    * `mass(a, b) * D**2 / 12 - 0.0642 * D**3 * jumps(a, b)`: the first term
+      is exact for a density flat within each destination bin, and a density
+      that moves by at most its total variation `jumps` (the sum of
+      `|h[i + 1] - h[i]|` inside) changes it by at most the second (0.0642 =
+      `int |x**2 - 1/12|` over a unit bin).
+
+    The clipping error is also at least `low(a) = int_{x<a} (x - a)**2` and
+    `high(b)` likewise, which grow as the range shrinks: `a_max` / `b_min`
+    bound the starts and ends that can beat a given error at all.
+    """
+
+    def __init__(self, prefix: torch.Tensor, counts: torch.Tensor, levels: int):
+        num_q, bins = counts.shape
+        edges = torch.arange(bins + 1, dtype=torch.float64, device=counts.device)
+        edges = edges.expand(num_q, -1)
+        self.bins, self.levels = bins, levels
+        self.at = _moments_at(prefix, counts, edges)  # (3, Q, bins + 1)
+        self.total = _moments_at(prefix, counts, torch.full_like(edges, bins))
+        self.start = _moments_at(prefix, counts, torch.zeros_like(edges[:, :1]))
+        self.low = _region_error(self.at, self.start, edges - bins / 2)
+        self.high = _region_error(self.total, self.at, edges - bins / 2)
+        steps = (counts[:, 1:] - counts[:, :-1]).abs()
+        # jumps left of each bin j: sum of |h[i + 1] - h[i]| for i < j
+        self.jumps = torch.nn.functional.pad(torch.cumsum(steps, dim=1), (1, 1))
+
+    def reach(self, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(a_max, b_min)` per qparam: `a < a_max` and `b >= b_min` for any
+        range whose error can be below `error` `(Q,)`."""
+        a_max = (self.low < error[:, None]).sum(dim=1)
+        b_min = self.bins + 1 - (self.high < error[:, None]).sum(dim=1)
+        return a_max, b_min
+
+    def __call__(self, q: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Bounds of qparam `q` for starts `a` `(na, 1)` and ends `b` `(1, nb)`."""
+        bins, at = self.bins, self.at
+        width = (b - a).to(torch.float64).clamp(min=1e-12) / self.levels
+        first = a - bins / 2 + width / 2  # centered first / last centers
+        last = b - bins / 2 - width / 2
+        below = at[:, q, a] - self.start[:, q, :, None]  # (3, na, 1)
+        above = self.total[:, q, :1, None] - at[:, q, b]  # (3, 1, nb)
+        clip = below[2] - 2 * first * below[1] + first * first * below[0]
+        clip = clip + above[2] - 2 * last * above[1] + last * last * above[0]
+        mass = at[0, q, b] - at[0, q, a]
+        jumps = (self.jumps[q, (b - 1).clamp(min=0)] - self.jumps[q, a]).clamp(min=0)
+        floor = mass * _sawtooth_floor(width)
+        smooth = mass * width**2 / 12 - _FLAT_ERROR * width**3 * jumps
+        return clip + torch.maximum(floor, smooth)
+
+
 def _certify(
     prefix: torch.Tensor,
     counts: torch.Tensor,
@@ -690,15 +750,10 @@ def _certify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prove the asymmetric search's result optimal, or improve it.
 
-    For every bin-edge candidate `[a, b]` (bin units) the exact error is at
-    least `L(a) + H(b) + mass(a, b) * sawtooth_floor((b - a) / levels)`:
-    values below `a` are at least their distance to `a` from the first
-    center, values above `b` likewise, and a unit of histogram mass inside
-    costs at least the sawtooth floor. `L` grows with `a` and `H` falls with
-    `b`, so only a rectangle of `a <= a_max`, `b >= b_min` can beat the
-    incumbent; its pairs are bounded in one vectorized pass and the few whose
-    bound is below the incumbent are scored exactly. Qparams whose rectangle
-    or survivors exceed the budgets keep the heuristic result.
+    Every bin-edge pair `[a, b]` in the rectangle that `_Bounds.reach` leaves
+    is bounded in one vectorized pass (`_Bounds`), and the few whose bound is
+    below the incumbent are scored exactly. Qparams whose rectangle or
+    survivors exceed the budgets keep the heuristic result.
 
     Args:
         prefix, counts: `_prefix_moments` table and `(Q, bins)` counts.
@@ -710,41 +765,18 @@ def _certify(
         every candidate was bounded or scored.
     """
     num_q, bins = counts.shape
-    device = counts.device
-    ticks = torch.arange(bins + 1, dtype=torch.float64, device=device)
-    edges = ticks.expand(num_q, -1)
-    zeros = torch.zeros_like(edges)
-    ends = torch.full_like(edges, float(bins))
-    at = _moments_at(prefix, counts, edges)  # (3, Q, bins + 1)
-    total = _moments_at(prefix, counts, ends)
-    centered = edges - bins / 2
-    start = _moments_at(prefix, counts, zeros[:, :1])[..., 0]  # (3, Q), ~0
-    low_clip = _region_error(at, start[..., None], centered)
-    high_clip = _region_error(total, at, centered)
-    mass = at[0]  # mass below each edge
+    bounds = _Bounds(prefix, counts, levels)
     limit = best_error * (1 + _PROOF_SLACK)
-    a_max = (low_clip < limit[:, None]).sum(dim=1)  # a in [0, a_max)
-    b_min = bins + 1 - (high_clip < limit[:, None]).sum(dim=1)  # b in [b_min, bins]
-    proven = torch.zeros(num_q, dtype=torch.bool, device=device)
-    best = best.clone()
+    a_max, b_min = bounds.reach(limit)
+    proven = torch.zeros(num_q, dtype=torch.bool, device=counts.device)
+    best, best_error = best.clone(), best_error.clone()
     for q in range(num_q):
         na, nb = int(a_max[q]), bins + 1 - int(b_min[q])
         if na * nb > _PROOF_PAIRS:
             continue
-        a = torch.arange(na, device=device)[:, None]
-        b = torch.arange(int(b_min[q]), bins + 1, device=device)[None, :]
-        width = (b - a).to(torch.float64) / levels
-        # clipping, exactly: values below a go to the first center a + D/2
-        first = a - bins / 2 + width / 2
-        last = b - bins / 2 - width / 2
-        below = at[:, q, a] - start[:, q, None, None]  # (3, na, 1)
-        above = total[:, q, :1, None] - at[:, q, b]  # (3, 1, nb)
-        clip = below[2] - 2 * first * below[1] + first * first * below[0]
-        clip = clip + above[2] - 2 * last * above[1] + last * last * above[0]
-        inside = (mass[q, b] - mass[q, a]) * _sawtooth_floor(width.clamp(min=1e-12))
-        bound = clip + inside
-        open_ = (b > a) & (bound < limit[q])
-        pairs = open_.nonzero()
+        a = torch.arange(na, device=counts.device)[:, None]
+        b = torch.arange(int(b_min[q]), bins + 1, device=counts.device)[None, :]
+        pairs = ((b > a) & (bounds(q, a, b) < limit[q])).nonzero()
         if pairs.shape[0] > _PROOF_EXACT:
             continue
         proven[q] = True
@@ -795,12 +827,13 @@ def l2_search(
        density uniform within each destination bin).
 
     3. Asymmetric, up to 64 qparams: the result is certified (`_certify`):
-       every other bin-edge pair gets a lower bound on its error (exact
-       clipping plus a floor on the error inside), and the pairs whose bound
-       is below the result are scored exactly; a better one replaces it. So
-       the result is the exhaustive minimum whenever at most 2**14 pairs
-       survive the bounds (every 256-bin case of the tests; a 2048-bin
-       histogram of 1M normal values leaves ~1e5 and stays uncertified).
+       every other bin-edge pair gets a lower bound on its error (`_Bounds`:
+       exact clipping plus a floor on the error inside), and the pairs whose
+       bound is below the result are scored exactly; a better one replaces
+       it. So the result is the exhaustive minimum whenever at most 2**14
+       pairs survive the bounds (every 256- and 512-bin case of the tests;
+       2048-bin histograms of noisy data, e.g. 1M normal values, can leave
+       more and stay uncertified).
 
     Step 2 finds the exhaustive minimum on dense histograms (tested against
     brute force); on sparse ones, whose error is jagged in the range, it can
