@@ -248,3 +248,20 @@ def test_set_enabled_switches_and_returns_previous() -> None:
     assert not native.available()
     assert native.set_enabled(True) is False
     assert native.available()
+
+
+def test_l2_errors_equal_the_eager_closed_form() -> None:
+    from quantobs.solvers.histogram_l2 import _exact_units, _prefix_moments
+
+    gen = torch.Generator().manual_seed(9)
+    for bins, levels in ((48, 4), (300, 16), (2048, 256)):
+        counts = torch.rand(1, bins, generator=gen).double() ** 4 * 1000
+        counts[0, torch.randint(0, bins, (bins // 3,), generator=gen)] = 0
+        prefix = _prefix_moments(counts)
+        lo = torch.randint(0, bins - 1, (500,), generator=gen).double()
+        hi = lo + 1 + (torch.rand(500, generator=gen) * (bins - lo - 1)).floor()
+        lo = lo + torch.rand(500, generator=gen) * 0.5  # off the bin edges too
+        got = native.l2_errors(prefix[0], lo, hi, levels)
+        expected = _exact_units(prefix, counts, lo[None], hi[None], levels)[0]
+        assert got is not None
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-9)

@@ -499,7 +499,7 @@ def test_histogram_mse_against_slow_reference(kwargs: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["student-t2", "bimodal", "outlier"])
-def test_global_l2_equals_brute_force_on_256_bins(kind: str) -> None:
+def test_global_l2_equals_brute_force_on_256_bins(kind: str, backend: str) -> None:
     # Beyond the exhaustive budget: coarse-to-fine + descent, then certified
     # by bounds (every other candidate bounded above the result or scored).
     g = _gen(21)
@@ -533,7 +533,7 @@ def test_global_l2_equals_brute_force_on_256_bins(kind: str) -> None:
     assert float(ours) <= best * (1 + 1e-6)
 
 
-def test_certify_finds_the_optimum_from_a_poor_incumbent() -> None:
+def test_certify_finds_the_optimum_from_a_poor_incumbent(backend: str) -> None:
     counts = _random_histogram("sparse", 64, _gen(22)).reshape(1, -1).double()
     levels = 8
     prefix = _prefix_moments(counts)

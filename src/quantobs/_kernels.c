@@ -13,6 +13,9 @@
  *
  * qo_histc: torch.histc's float32 bin selection with exact integer counts.
  *
+ * qo_l2_errors: exact L2 errors of candidate ranges over a histogram (the
+ *   certificate of the global L2 search).
+ *
  * qo_mse_errors: for each candidate c and qparam q, the error
  *   sum_{n,g} |fake_quant(x[n,q,g]) - x[n,q,g]| ** norm, with fake_quant's
  *   float32 arithmetic in its order:
@@ -381,6 +384,45 @@ void qo_histc(const float *x, int64_t n, float lo, float hi, int64_t bins,
                 for (int64_t b = 0; b < bins; ++b) counts[b] += ways[w * stride + b];
             free(ways);
         }
+    }
+}
+
+/* Moments int_0^u x^p rho, p = 0, 1, 2, at u (bin units, x centered on the
+ * histogram's middle) from the (bins, 4) table A0, A1, A2, h of
+ * quantobs.solvers.histogram_l2._prefix_moments, in its arithmetic. */
+static void moments_at(const double *table, int64_t bins, double u, double m[3]) {
+    u = u < 0.0 ? 0.0 : (u > (double)bins ? (double)bins : u);
+    int64_t j = (int64_t)u;
+    j = j > bins - 1 ? bins - 1 : j;
+    const double *row = table + 4 * j;
+    double uc = u - (double)bins / 2;
+    double hu = row[3] * uc;
+    m[0] = row[0] + hu;
+    hu = hu * uc;
+    m[1] = row[1] + hu / 2;
+    m[2] = row[2] + hu * uc / 3;
+}
+
+/* The exact L2 error of each range [lo[i], hi[i]] (bin units) with `levels`
+ * destination bins, values beyond the range going to the end centers:
+ * histogram_l2._exact_units for one histogram. */
+void qo_l2_errors(const double *table, int64_t bins, const double *lo,
+                  const double *hi, int64_t count, int64_t levels, double *out,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < count; ++i) {
+        double width = (hi[i] - lo[i]) / (double)levels, total = 0.0;
+        double prev[3], next[3];
+        moments_at(table, bins, 0.0, prev); /* tails clip to the ends */
+        for (int64_t k = 0; k < levels; ++k) {
+            double edge = k + 1 == levels ? (double)bins : lo[i] + (double)(k + 1) * width;
+            moments_at(table, bins, edge, next);
+            double center = lo[i] + ((double)k + 0.5) * width - (double)bins / 2;
+            double d0 = next[0] - prev[0], d1 = next[1] - prev[1], d2 = next[2] - prev[2];
+            total += d2 - 2 * center * d1 + center * center * d0;
+            prev[0] = next[0], prev[1] = next[1], prev[2] = next[2];
+        }
+        out[i] = total;
     }
 }
 

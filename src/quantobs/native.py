@@ -37,6 +37,7 @@ __all__ = [
     "add_counts",
     "available",
     "histc",
+    "l2_errors",
     "minmax",
     "mse_errors",
     "mse_supported",
@@ -132,6 +133,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histogram.restype = None
         lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
         lib.qo_histc.restype = None
+        lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
+        lib.qo_l2_errors.restype = None
         lib.qo_pow24.argtypes = [_P, _P, _I]
         lib.qo_pow24.restype = None
         return lib
@@ -260,6 +263,34 @@ def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | No
     if int(counts.max()) >= _EXACT_FLOAT_COUNT:
         return None
     return counts.to(torch.float32)
+
+
+def l2_errors(
+    table: torch.Tensor, lo_u: torch.Tensor, hi_u: torch.Tensor, levels: int
+) -> torch.Tensor | None:
+    """Exact L2 errors of ranges `[lo_u, hi_u]` `(K,)` over one histogram.
+
+    `table`: its `(bins, 4)` float64 `_prefix_moments` rows. The same
+    arithmetic as `histogram_l2._exact_units` (the level sums in order);
+    None where the kernels are not available.
+    """
+    if table.device.type != "cpu" or not available():
+        return None
+    table = table.to(torch.float64).contiguous()
+    lo_u = lo_u.to(torch.float64).contiguous()
+    hi_u = hi_u.to(torch.float64).contiguous()
+    out = torch.empty(lo_u.numel(), dtype=torch.float64)
+    _loaded().qo_l2_errors(
+        table.data_ptr(),
+        table.shape[0],
+        lo_u.data_ptr(),
+        hi_u.data_ptr(),
+        lo_u.numel(),
+        levels,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def mse_supported(fmt: NumberFormat, norm: float) -> bool:
