@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.ao.quantization.observer import HistogramObserver
 
-from quantobs import QuantizationArgs, calculate_qparams, fake_quantize
+from quantobs import QuantizationArgs, calculate_qparams, fake_quantize, native
 from quantobs.histogram import histogram_of
 from quantobs.mse import shrink_factors
 from quantobs.solvers import (
@@ -569,3 +569,23 @@ def test_certificate_bounds_never_exceed_the_exact_error(
     a_max, b_min = bounds.reach(limit)
     below = exact < limit
     assert bool((starts[below] < a_max).all()) and bool((ends[below] >= b_min).all())
+
+
+def test_certify_covers_a_2048_bin_normal_histogram() -> None:
+    if not native.available():
+        pytest.skip("the 2**17-pair budget needs the native exact scorer")
+    x = torch.randn(1 << 20, generator=_gen(31))
+    lo, hi = float(x.min()), float(x.max())
+    width = (hi - lo) / 2048
+    counts = torch.histc(x, 2048, lo, hi)
+    low, high = l2_search(
+        counts, torch.tensor(lo), torch.tensor(width, dtype=torch.float64), 256
+    )
+    rows = counts[None].double()
+    prefix = _prefix_moments(rows)
+    best = torch.tensor([[(float(low) - lo) / width, (float(high) - lo) / width]])
+    best = best.double().round()
+    error = _exact_units(prefix, rows, best[:, :1], best[:, 1:], 256)[:, 0]
+    certified, proven = _certify(prefix, rows, best, error, 256)
+    assert bool(proven.all())
+    assert torch.equal(certified, best)  # the search's result was the optimum
