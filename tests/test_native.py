@@ -265,3 +265,20 @@ def test_l2_errors_equal_the_eager_closed_form() -> None:
         expected = _exact_units(prefix, counts, lo[None], hi[None], levels)[0]
         assert got is not None
         assert torch.allclose(got, expected, rtol=1e-12, atol=1e-9)
+
+
+def test_shape_mismatches_are_errors_not_overruns() -> None:
+    x = torch.randn(1, 4, 16)
+    fmt = QuantizationArgs(num_bits=8).format
+    with pytest.raises(ValueError, match="scale must be"):
+        native.mse_errors(x, torch.ones(2, 3), None, fmt, 2.4)
+    with pytest.raises(ValueError, match="counts must be"):
+        native.add_counts(
+            x,
+            torch.ones(4),
+            torch.zeros(4),
+            torch.zeros(3, 8, dtype=torch.int64),
+            False,
+        )
+    with pytest.raises(ValueError, match="table must be"):
+        native.l2_errors(torch.zeros(8, 3, dtype=torch.float64), x[0, 0], x[0, 0], 4)

@@ -2,7 +2,8 @@
  *
  * Compiled on first use with the system C compiler and loaded with ctypes;
  * every kernel has an eager torch twin that gives the same numbers, which is
- * used when no compiler is found. Inputs are contiguous float32.
+ * used when no compiler is found. Data are contiguous float32 (histogram
+ * tables of the L2 scorer: float64).
  *
  * qo_minmax: min and max per qparam of x viewed as (N, Q, G), reduced over N
  *   and G (the canonical layout of quantobs.layout). NaN propagates like

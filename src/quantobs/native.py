@@ -211,6 +211,15 @@ def add_counts(
     if counts.dtype != torch.int64 or not counts.is_contiguous():
         return False
     n, q, g = x3.shape
+    if (
+        counts.ndim != 2
+        or counts.shape[0] != q
+        or inv.numel() != q
+        or offset.numel() != q
+    ):
+        raise ValueError(
+            f"counts must be ({q}, bins) and inv, offset ({q},) for {q} qparams"
+        )
     inv = inv.to(torch.float32).contiguous()
     offset = offset.to(torch.float32).contiguous()
     _loaded().qo_histogram(
@@ -276,6 +285,8 @@ def l2_errors(
     """
     if table.device.type != "cpu" or not available():
         return None
+    if table.ndim != 2 or table.shape[1] != 4 or lo_u.numel() != hi_u.numel():
+        raise ValueError("table must be (bins, 4) and lo_u, hi_u of one length")
     table = table.to(torch.float64).contiguous()
     lo_u = lo_u.to(torch.float64).contiguous()
     hi_u = hi_u.to(torch.float64).contiguous()
@@ -323,6 +334,11 @@ def mse_errors(
         return None
     n, q, g = x3.shape
     c = scale.shape[0]
+    for name, given in (("scale", scale), ("zero_point", zero_point)):
+        if given is not None and tuple(given.shape) != (c, q):
+            raise ValueError(
+                f"{name} must be (candidates, {q}), got {tuple(given.shape)}"
+            )
     scale = scale.to(torch.float32).contiguous()
     if zero_point is not None:
         zero_point = zero_point.to(torch.float32).contiguous()
