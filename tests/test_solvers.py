@@ -417,7 +417,7 @@ def _slow_entropy(
     [("laplace", 128, 128, 1), ("relu", 64, 100, 3), ("outlier", 16, 20, 1)],
 )
 def test_entropy_against_slow_reference(
-    dist: str, levels: int, start_bin: int, stride: int
+    dist: str, levels: int, start_bin: int, stride: int, backend: str
 ) -> None:
     x = DISTRIBUTIONS[dist](_gen(15))[0][:20000].abs()
     counts = torch.histc(x, 300, 0, float(x.max()))
@@ -434,7 +434,7 @@ def test_entropy_against_slow_reference(
         assert divergences[k] == pytest.approx(min(divergences), rel=1e-9)
 
 
-def test_entropy_against_modelopt_defaults() -> None:
+def test_entropy_against_modelopt_defaults(backend: str) -> None:
     # 2048 bins, start_bin=128, 128 levels (int8), stride 1.
     x = _laplace(200000, _gen(16))
     counts, edges = _modelopt_histogram(x)

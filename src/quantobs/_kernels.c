@@ -14,6 +14,8 @@
  *
  * qo_histc: torch.histc's float32 bin selection with exact integer counts.
  *
+ * qo_entropy: KL divergences of entropy calibration's candidates.
+ *
  * qo_l2_errors: exact L2 errors of candidate ranges over a histogram (the
  *   certificate of the global L2 search).
  *
@@ -425,6 +427,52 @@ void qo_l2_errors(const double *table, int64_t bins, const double *lo,
         }
         out[i] = total;
     }
+}
+
+/* KL divergence of every candidate clip bin i = cands[c] for each histogram
+ * row q, from its prefix sums (quantobs.solvers.entropy._divergences, in
+ * float64): csum (mass below j), nz (non-empty bins below j), plogp (sum of
+ * h log h below j), all (Q, B + 1); h (Q, B). levels: quantized levels. */
+void qo_entropy(const double *h, const double *csum, const double *nz,
+                const double *plogp, int64_t q, int64_t bins, const int64_t *cands,
+                int64_t count, int64_t levels, double *out, int threads) {
+    const double tiny = 1e-300;
+    double *log_count = malloc((size_t)(bins + 1) * sizeof(double));
+    if (!log_count) return; /* the caller checks for NaN: see native.entropy */
+    for (int64_t n = 0; n <= bins; ++n) log_count[n] = log(n > 1 ? (double)n : 1.0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t r = 0; r < q; ++r) {
+        const double *hr = h + r * bins, *cs = csum + r * (bins + 1);
+        const double *nr = nz + r * (bins + 1), *pl = plogp + r * (bins + 1);
+        double total = cs[bins];
+        double safe_total = total > 0 ? total : 1.0;
+        for (int64_t c = 0; c < count; ++c) {
+            int64_t i = cands[c];
+            double below = cs[i], tail = total - below, last = hr[i - 1];
+            double kept = last + tail;
+            double p_term = pl[i - 1] + (kept > 0 ? kept * log(kept) : 0.0);
+            double q_term = 0.0, top_mass = 0.0, top_bins = 0.0;
+            int64_t top = (i - 1) * levels / i, lower = 0;
+            for (int64_t k = 0; k < levels; ++k) {
+                int64_t upper = ((k + 1) * i + levels - 1) / levels;
+                double mass = cs[upper] - cs[lower], filled = nr[upper] - nr[lower];
+                lower = upper;
+                if (mass <= 0) { /* no mass: contributes 0 * log(tiny / n) = 0 */
+                    if (k == top) top_mass = mass, top_bins = filled;
+                    continue;
+                }
+                q_term += mass * (log(mass > tiny ? mass : tiny) - log_count[(int64_t)filled]);
+                if (k == top) top_mass = mass, top_bins = filled;
+            }
+            double q_last = log(top_bins > 0 ? top_mass / top_bins : 1.0);
+            q_term += tail > 0 ? tail * q_last : 0.0;
+            double safe_below = below > 0 ? below : 1.0;
+            double kl = (p_term - q_term) / safe_total - log(safe_total) + log(safe_below);
+            int impossible = below <= 0 || (tail > 0 && last <= 0);
+            out[r * count + c] = impossible ? INFINITY : kl;
+        }
+    }
+    free(log_count);
 }
 
 /* pow24 over an array: for the tests */

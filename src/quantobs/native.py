@@ -36,6 +36,7 @@ from quantobs.formats import NumberFormat
 __all__ = [
     "add_counts",
     "available",
+    "entropy",
     "histc",
     "l2_errors",
     "minmax",
@@ -135,6 +136,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
         lib.qo_l2_errors.restype = None
+        lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _INT]
+        lib.qo_entropy.restype = None
         lib.qo_pow24.argtypes = [_P, _P, _I]
         lib.qo_pow24.restype = None
         return lib
@@ -302,6 +305,46 @@ def l2_errors(
         torch.get_num_threads(),
     )
     return out
+
+
+def entropy(
+    h: torch.Tensor,
+    csum: torch.Tensor,
+    nz: torch.Tensor,
+    plogp: torch.Tensor,
+    cands: torch.Tensor,
+    levels: int,
+) -> torch.Tensor | None:
+    """KL divergence `(Q, C)` of clip bins `cands` for histograms `h` `(Q, B)`.
+
+    From the prefix sums of `solvers.entropy._divergences` (`csum`, `nz`,
+    `plogp`, each `(Q, B + 1)`), with its arithmetic in float64; None where
+    the kernels are not available.
+    """
+    if h.device.type != "cpu" or not available():
+        return None
+    num_q, bins = h.shape
+    prefixes = [t.to(torch.float64).contiguous() for t in (h, csum, nz, plogp)]
+    for name, t in zip(("csum", "nz", "plogp"), prefixes[1:], strict=True):
+        if tuple(t.shape) != (num_q, bins + 1):
+            raise ValueError(
+                f"{name} must be ({num_q}, {bins + 1}), got {tuple(t.shape)}"
+            )
+    cands = cands.to(torch.int64).contiguous()
+    if cands.numel() and not (int(cands.min()) >= 1 and int(cands.max()) <= bins):
+        raise ValueError(f"candidate bins must lie in [1, {bins}]")
+    out = torch.full((num_q, cands.numel()), math.nan, dtype=torch.float64)
+    _loaded().qo_entropy(
+        *(t.data_ptr() for t in prefixes),
+        num_q,
+        bins,
+        cands.data_ptr(),
+        cands.numel(),
+        levels,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return None if bool(torch.isnan(out).any()) else out  # NaN: out of memory
 
 
 def mse_supported(fmt: NumberFormat, norm: float) -> bool:

@@ -22,7 +22,8 @@ bins hold data) the result is the largest value.
 
 Vectorized: with prefix sums of the counts, of the non-empty bins and of
 `c log c`, each candidate costs one gather per level, and all candidates of
-all qparams are scored at once, in chunks of bounded memory::
+all qparams are scored at once, in chunks of bounded memory (natively, one
+loop over levels per candidate, where `quantobs.native` is built)::
 
     KL(i) = (sum_j p_j log p_j) / T - log T
             - (sum_k L_k log(L_k / n_k) + tail_i log q_{i-1}) / T + log S_i
@@ -36,6 +37,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from quantobs import native
 
 __all__ = ["entropy_search"]
 
@@ -63,6 +66,9 @@ def _divergences(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Ten
     total = csum[:, -1:]  # (Q, 1)
     i = cands.to(torch.int64)  # (C,)
     num_c = i.numel()
+    found = native.entropy(h, csum, nz, plogp, i, levels)
+    if found is not None:
+        return found
 
     mass_below = csum[:, i]  # S_i (Q, C)
     tail = total - mass_below
