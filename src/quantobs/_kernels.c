@@ -273,14 +273,34 @@ void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
     free(part);
 }
 
+/* Histograms count a block of bin indices at a time; indices >= bins are
+ * dropped. With `ways`, into WAYS interleaved copies (row stride `stride`,
+ * wide enough for every index), so that repeats of one bin do not wait on
+ * each other; `fold_ways` then adds the copies into the counts. */
+enum { BLOCK = 512, WAYS = 4 };
+
+ALWAYS_INLINE void count_block(const int32_t *index, int64_t m, int64_t *ways,
+                               int64_t stride, int64_t *counts, int64_t bins) {
+    if (ways) {
+        for (int64_t i = 0; i < m; ++i) ways[(i % WAYS) * stride + index[i]] += 1;
+        return;
+    }
+    for (int64_t i = 0; i < m; ++i)
+        if (index[i] < bins) counts[index[i]] += 1;
+}
+
+static void fold_ways(int64_t *ways, int64_t stride, int64_t *counts, int64_t bins) {
+    for (int w = 0; w < WAYS; ++w)
+        for (int64_t k = 0; k < bins; ++k) counts[k] += ways[w * stride + k];
+    free(ways);
+}
+
 /* counts[j, b] += #{x in qparam j : floor(x * inv[j]) - off[j] == b}, with b
  * clamped to [0, bins) and NaN skipped; |x| when absolute. inv[j] is a power
  * of two and off[j] an integer, so every step is exact (see histogram.py).
- * Bins are found a block at a time (vectorized), then counted into WAYS
- * interleaved copies, so repeats of one bin do not wait on each other. */
+ * Bins are found a block at a time (vectorized), then counted (count_block). */
 static void count_rows(const float *restrict x, int64_t len, float inv, float off,
                        int64_t bins, int absolute, int64_t *restrict counts) {
-    enum { BLOCK = 512, WAYS = 4 };
     int32_t index[BLOCK];
     int64_t stride = bins + 1; /* bin `bins`: NaN */
     int64_t *ways = len >= 8 * WAYS * bins ? calloc((size_t)(WAYS * stride), 8) : NULL;
@@ -295,18 +315,9 @@ static void count_rows(const float *restrict x, int64_t len, float inv, float of
             b = b > top ? top : b;
             index[i] = (int32_t)(v != v ? nan_bin : b);
         }
-        if (ways) {
-            for (int64_t i = 0; i < m; ++i) ways[(i % WAYS) * stride + index[i]] += 1;
-            continue;
-        }
-        for (int64_t i = 0; i < m; ++i)
-            if (index[i] < bins) counts[index[i]] += 1;
+        count_block(index, m, ways, stride, counts, bins);
     }
-    if (ways) {
-        for (int w = 0; w < WAYS; ++w)
-            for (int64_t k = 0; k < bins; ++k) counts[k] += ways[w * stride + k];
-        free(ways);
-    }
+    if (ways) fold_ways(ways, stride, counts, bins);
 }
 
 void qo_histogram(const float *x, int64_t n, int64_t q, int64_t g, const float *inv,
@@ -355,7 +366,6 @@ void qo_histogram(const float *x, int64_t n, int64_t q, int64_t g, const float *
  * values outside [lo, hi] and NaN skipped; exact integer counts. */
 void qo_histc(const float *x, int64_t n, float lo, float hi, int64_t bins,
               int64_t *counts, int threads) {
-    enum { BLOCK = 512, WAYS = 4 };
     const float span = hi - lo, scale = (float)bins, skip = (float)(bins + 1);
     int64_t stride = bins + 2; /* bins + 1: skipped values */
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -374,18 +384,15 @@ void qo_histc(const float *x, int64_t n, float lo, float hi, int64_t bins,
                 index[i] = (int32_t)((v >= lo && v <= hi) ? t : skip);
             }
             if (ways) {
-                for (int64_t i = 0; i < m; ++i) ways[(i % WAYS) * stride + index[i]] += 1;
+                count_block(index, m, ways, stride, counts, bins);
                 continue;
             }
 #pragma omp critical
-            for (int64_t i = 0; i < m; ++i)
-                if (index[i] < bins) counts[index[i]] += 1;
+            count_block(index, m, NULL, stride, counts, bins);
         }
         if (ways) {
 #pragma omp critical
-            for (int w = 0; w < WAYS; ++w)
-                for (int64_t b = 0; b < bins; ++b) counts[b] += ways[w * stride + b];
-            free(ways);
+            fold_ways(ways, stride, counts, bins);
         }
     }
 }

@@ -24,6 +24,7 @@ from quantobs.stats import minmax
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "candidate_errors",
+    "error_power",
     "mse_search",
     "patience_stop",
     "search_args",
@@ -88,20 +89,38 @@ def _errors_of_chunk(
     scale, zero_point = _candidate_qparams(
         min_vals, max_vals, factors, args, global_scale
     )
-    scale = scale[:, None, :, None]  # (C, 1, Qc, 1)
     x_c = x.to(torch.float32)[None]  # (1, N, Qc, G)
+    zp = None if args.symmetric else zero_point[:, None, :, None]
+    err = error_power(x_c, scale[:, None, :, None], zp, args, norm)  # (C, N, Qc, G)
+    return err.sum(dim=(1, 3), dtype=torch.float32).to(torch.float64)
+
+
+def error_power(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantizationArgs,
+    norm: float,
+) -> torch.Tensor:
+    """`|fake_quant(x) - x| ** norm` with fake_quantize's float32 arithmetic,
+    in place on one temporary of the broadcast shape of `x` and `scale`.
+
+    Args:
+        x: float32 values; scale, zero_point: broadcast against `x`
+            (zero_point None for symmetric args).
+        args: the quantization args (the format's rounding and bounds).
+        norm: error exponent.
+    """
     fmt = args.format
-    # fake_quantize's arithmetic, in place on one (C, N, Qc, G) temporary.
-    values = x_c / scale
-    zp = None if args.symmetric else zero_point[:, None, :, None].to(torch.float32)
+    values = x / scale
+    zp = None if zero_point is None else zero_point.to(torch.float32)
     if zp is not None:
         values.add_(zp)
     values.clamp_(fmt.min, fmt.max)
     values = values.round_() if not fmt.is_float else fmt.round(values)
     if zp is not None:
         values.sub_(zp)
-    err = values.mul_(scale).sub_(x_c).abs_().pow_(norm)
-    return err.sum(dim=(1, 3), dtype=torch.float32).to(torch.float64)
+    return values.mul_(scale).sub_(x).abs_().pow_(norm)
 
 
 def _native_errors(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from quantobs.args import QuantizationArgs
-from quantobs.mse import search_args, shrink_factors
+from quantobs.mse import error_power, search_args, shrink_factors
 from quantobs.qparams import calculate_qparams
 
 __all__ = ["histogram_mse_search"]
@@ -38,17 +38,8 @@ def _errors(
 ) -> torch.Tensor:
     # centers, weights: (Qc, B); cand_min, cand_max: (C, Qc) -> errors (C, Qc)
     scale, zero_point = calculate_qparams(cand_min, cand_max, args)
-    scale = scale[:, :, None]  # (C, Qc, 1)
-    fmt = args.format
-    values = centers[None] / scale
-    zp = None if args.symmetric else zero_point[:, :, None].to(torch.float32)
-    if zp is not None:
-        values.add_(zp)
-    values.clamp_(fmt.min, fmt.max)
-    values = values.round_() if not fmt.is_float else fmt.round(values)
-    if zp is not None:
-        values.sub_(zp)
-    err = values.mul_(scale).sub_(centers[None]).abs_().pow_(norm)
+    zp = None if args.symmetric else zero_point[:, :, None]
+    err = error_power(centers[None], scale[:, :, None], zp, args, norm)  # (C, Qc, B)
     return (err.to(torch.float64) * weights[None]).sum(dim=2)
 
 
