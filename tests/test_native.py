@@ -298,3 +298,91 @@ def test_entropy_divergences_equal_eager() -> None:
         assert torch.equal(torch.isinf(got), torch.isinf(expected))
         finite = torch.isfinite(expected)
         assert torch.allclose(got[finite], expected[finite], rtol=1e-9, atol=1e-12)
+
+
+SCALE_ARGS = {
+    "int4": {"num_bits": 4},
+    "int8": {"num_bits": 8},
+    "fp8-e4m3": {"num_bits": 8, "type": "float"},
+    "fp4-e4m3-scales": {
+        "num_bits": 4,
+        "type": "float",
+        "scale_dtype": torch.float8_e4m3fn,
+    },
+    "nvfp4": _NVFP4,
+}
+
+
+def _scale_ranges(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranges over every binade, zeros, and FP8 e4m3 rounding ties of amax / 6."""
+    gen = torch.Generator().manual_seed(seed)
+    count = 20000
+    mags = torch.exp2(torch.randint(-140, 120, (2, count), generator=gen).float())
+    lo, hi = -(torch.rand(2, count, generator=gen) * mags)
+    hi = -hi
+    # e4m3 grid points and midpoints k / 2**10 (subnormal step 2**-9) up to 480,
+    # times 6: exact in float32, so amax / 6 lands on them exactly
+    ties = torch.arange(0, 480 * 1024, 7, dtype=torch.float32) / 1024 * 6
+    ties = torch.cat([ties, torch.tensor([0.0, -0.0, 1e-45, 448.0 * 6, 3e38])])
+    lo = torch.cat([lo, -ties, torch.zeros_like(ties)])
+    hi = torch.cat([hi, torch.zeros_like(ties), ties])
+    return lo, hi
+
+
+@pytest.mark.parametrize("name", sorted(SCALE_ARGS))
+@pytest.mark.parametrize("global_scale", [None, 1.0, 3.7e-3])
+def test_symmetric_scales_equal_eager_bit_for_bit(
+    name: str, global_scale: float | None
+) -> None:
+    args = QuantizationArgs(**SCALE_ARGS[name])
+    lo, hi = _scale_ranges(len(name))
+    if global_scale is not None:  # products must stay finite
+        lo, hi = lo.clamp(min=-1e36), hi.clamp(max=1e36)
+    g = None if global_scale is None else torch.tensor([global_scale])
+    # the kernel's result, not a fallback: the kernel itself must accept
+    assert native.symmetric_scales(lo, hi, 1.0, None, False, 1.0, False) is not None
+    scale, zero_point = calculate_qparams(lo, hi, args, g)
+    eager_scale, eager_zp = _eager(lambda: calculate_qparams(lo, hi, args, g))
+    assert scale.dtype == eager_scale.dtype == torch.float32
+    assert torch.equal(scale.view(torch.int32), eager_scale.view(torch.int32))
+    assert zero_point.dtype == eager_zp.dtype and torch.equal(zero_point, eager_zp)
+    assert bool((scale > 0).all()) and bool(torch.isfinite(scale).all())
+
+
+def test_symmetric_scales_leave_errors_to_the_torch_path() -> None:
+    args = QuantizationArgs(**_NVFP4)
+    lo, hi = -torch.rand(64), torch.rand(64)
+    empty_lo, empty_hi = lo.clone(), hi.clone()
+    empty_lo[3], empty_hi[3] = math.inf, -math.inf
+    assert (
+        native.symmetric_scales(empty_lo, empty_hi, 6.0, None, True, 1.0, False) is None
+    )
+    with pytest.raises(ValueError, match="non-finite range"):
+        calculate_qparams(empty_lo, empty_hi, args)
+    # an observer's empty qparam counts as the range (0, 0): eps scale
+    scale, _ = calculate_qparams(empty_lo, empty_hi, args, empty_as_zero=True)
+    eager, _ = _eager(
+        lambda: calculate_qparams(empty_lo, empty_hi, args, empty_as_zero=True)
+    )
+    assert torch.equal(scale, eager) and float(scale[3]) == 0.125
+    nan_lo = lo.clone()
+    nan_lo[5] = math.nan
+    with pytest.raises(ValueError, match="non-finite range"):
+        calculate_qparams(nan_lo, hi, args, empty_as_zero=True)
+    with pytest.raises(ValueError, match="min_vals > max_vals"):
+        calculate_qparams(hi + 1, hi, args)
+    with pytest.raises(ValueError, match="overflowed"):
+        calculate_qparams(lo * 1e30, hi * 1e30, args, torch.tensor([1e30]))
+
+
+def test_range_absmax_equals_eager() -> None:
+    from quantobs.stats import absmax_or_zero
+
+    lo, hi = _scale_ranges(3)
+    lo[::7], hi[::7] = math.inf, -math.inf  # empty qparams count 0
+    expected = _eager(lambda: absmax_or_zero(lo, hi))
+    assert torch.equal(absmax_or_zero(lo, hi), expected)
+    assert float(expected) == float(torch.maximum(-lo[lo <= hi], hi[lo <= hi]).max())
+    hi[1] = math.inf  # a non-empty infinite range: the torch path's inf
+    assert native.range_absmax(lo, hi) is None
+    assert math.isinf(float(absmax_or_zero(lo, hi)))

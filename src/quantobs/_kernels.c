@@ -9,6 +9,11 @@
  *   and G (the canonical layout of quantobs.layout). NaN propagates like
  *   torch.amin / torch.amax.
  *
+ * qo_symmetric_scales: scales of symmetric args from min/max ranges, with
+ *   calculate_qparams' float32 arithmetic in its order (NVFP4's group scales).
+ *
+ * qo_range_absmax: the largest |value| of non-empty ranges (global scales).
+ *
  * qo_histogram: exact integer counts of x on each qparam's power-of-two grid
  *   (quantobs.histogram's binning).
  *
@@ -271,6 +276,55 @@ void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
         maxs[j] = hi;
     }
     free(part);
+}
+
+/* Scales of symmetric args, in calculate_qparams' float32 order:
+ *     amax = max(-min, max, 0); s = amax / divisor; s = g * s (has_g);
+ *     scale_fp8: s = e4m3(min(s, 448)), round half to even; s <= 0 -> eps.
+ * An empty range (min > max) counts as (0, 0) where empty_as_zero is set.
+ * Returns 1, with `out` undefined, where the torch path must decide (and
+ * raise): a non-finite value, min > max otherwise, an overflowing s. */
+int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n, float divisor,
+                            float g, int has_g, int scale_fp8, float eps,
+                            int empty_as_zero, float *out, int threads) {
+    int64_t bad = 0;
+#pragma omp parallel for simd schedule(static) num_threads(threads) reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) {
+        float lo = mn[i], hi = mx[i];
+        int empty = lo > hi;
+        lo = empty ? 0.0f : lo;
+        hi = empty ? 0.0f : hi;
+        bad |= (empty & !empty_as_zero) | !(isfinite(lo) && isfinite(hi));
+        float a = -lo > hi ? -lo : hi;
+        a = a > 0.0f ? a : 0.0f;
+        float s = a / divisor;
+        s = has_g ? g * s : s;
+        bad |= !isfinite(s);
+        s = scale_fp8 ? round_format(s < 448.0f ? s : 448.0f, 1, 3, -6) : s;
+        out[i] = s > 0.0f ? s : eps;
+    }
+    return bad;
+}
+
+/* max over i with min[i] <= max[i] of max(-min[i], max[i], 0); returns 1
+ * where one of those ranges is not finite (the torch path raises). */
+int64_t qo_range_absmax(const float *mn, const float *mx, int64_t n, float *out,
+                        int threads) {
+    int64_t bad = 0;
+    float a = 0.0f;
+#pragma omp parallel for simd schedule(static) num_threads(threads) \
+    reduction(| : bad) reduction(max : a)
+    for (int64_t i = 0; i < n; ++i) {
+        float lo = mn[i], hi = mx[i];
+        int empty = lo > hi;
+        lo = empty ? 0.0f : lo;
+        hi = empty ? 0.0f : hi;
+        bad |= !(isfinite(lo) && isfinite(hi));
+        float v = -lo > hi ? -lo : hi;
+        a = v > a ? v : a;
+    }
+    *out = a;
+    return bad;
 }
 
 /* Histograms count a block of bin indices at a time; indices >= bins are

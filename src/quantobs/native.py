@@ -43,7 +43,9 @@ __all__ = [
     "mse_errors",
     "mse_supported",
     "pow24",
+    "range_absmax",
     "set_enabled",
+    "symmetric_scales",
 ]
 
 _LOG = logging.getLogger("quantobs")
@@ -138,6 +140,11 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_l2_errors.restype = None
         lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
+        lib.qo_symmetric_scales.argtypes = [_P, _P, _I, _F, _F, _INT, _INT, _F]
+        lib.qo_symmetric_scales.argtypes += [_INT, _P, _INT]
+        lib.qo_symmetric_scales.restype = _I
+        lib.qo_range_absmax.argtypes = [_P, _P, _I, _P, _INT]
+        lib.qo_range_absmax.restype = _I
         lib.qo_pow24.argtypes = [_P, _P, _I]
         lib.qo_pow24.restype = None
         return lib
@@ -188,6 +195,64 @@ def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         torch.get_num_threads(),
     )
     return mins, maxs
+
+
+def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
+    return min_vals.shape == max_vals.shape and _usable(min_vals) and _usable(max_vals)
+
+
+def symmetric_scales(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    divisor: float,
+    global_scale: float | None,
+    scale_fp8: bool,
+    eps: float,
+    empty_as_zero: bool,
+) -> torch.Tensor | None:
+    """Scales of symmetric (non-MX) args from float32 ranges, or None.
+
+    `calculate_qparams`' float32 arithmetic in its order: `max(-min, max, 0)
+    / divisor`, times the global scale, rounded to FP8 e4m3 (saturating)
+    where `scale_fp8`, zeros replaced by `eps`. None (take the torch path,
+    which raises the right error) for a non-finite value, `min > max` unless
+    `empty_as_zero` (then such a range counts as `(0, 0)`), or an overflow.
+    """
+    if not _ranges_usable(min_vals, max_vals):
+        return None
+    out = torch.empty_like(min_vals)
+    bad = _loaded().qo_symmetric_scales(
+        min_vals.data_ptr(),
+        max_vals.data_ptr(),
+        min_vals.numel(),
+        divisor,
+        1.0 if global_scale is None else global_scale,
+        global_scale is not None,
+        scale_fp8,
+        eps,
+        empty_as_zero,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return None if bad else out
+
+
+def range_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None:
+    """`max(-min, max, 0)` over the non-empty (`min <= max`) float32 ranges.
+
+    None where the kernels do not apply or a non-empty range is not finite.
+    """
+    if not _ranges_usable(min_vals, max_vals):
+        return None
+    out = ctypes.c_float()
+    bad = _loaded().qo_range_absmax(
+        min_vals.data_ptr(),
+        max_vals.data_ptr(),
+        min_vals.numel(),
+        ctypes.byref(out),
+        torch.get_num_threads(),
+    )
+    return None if bad else out.value
 
 
 def add_counts(

@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from quantobs import native
 from quantobs.args import QuantizationArgs
 from quantobs.formats import NumberFormat, get_format
 
@@ -65,6 +66,19 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 
 def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+    _check_range_types(min_vals, max_vals)
+    if not all_finite(min_vals, max_vals):
+        bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
+        raise ValueError(
+            f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
+            "max_vals; drop non-finite inputs before observing (e.g. an "
+            "observer with nan_policy='omit')"
+        )
+    if (min_vals > max_vals).any():
+        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
+
+
+def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
     for name, vals in (("min_vals", min_vals), ("max_vals", max_vals)):
         if not isinstance(vals, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(vals).__name__}")
@@ -75,15 +89,6 @@ def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
             f"min_vals {tuple(min_vals.shape)} and max_vals "
             f"{tuple(max_vals.shape)} must have the same shape"
         )
-    if not all_finite(min_vals, max_vals):
-        bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
-        raise ValueError(
-            f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
-            "max_vals; drop non-finite inputs before observing (e.g. an "
-            "observer with nan_policy='omit')"
-        )
-    if (min_vals > max_vals).any():
-        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
 
 
 def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.Tensor:
@@ -144,6 +149,7 @@ def calculate_qparams(
     global_scale: torch.Tensor | None = None,
     *,
     pow2: Pow2Rounding | None = None,
+    empty_as_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from a range, per quantization parameter.
 
@@ -162,6 +168,8 @@ def calculate_qparams(
         pow2: power-of-two rounding of the exponent: MX scales use it (default
             `"even"`); for other args it rounds the scale itself to a power of
             two (`None`: no rounding).
+        empty_as_zero: treat a range with `min > max` (an observer's qparam
+            that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -174,6 +182,18 @@ def calculate_qparams(
         ValueError: shapes differ, non-finite values, `min > max`, or a
             global scale that is not one finite positive number.
     """
+    _check_range_types(min_vals, max_vals)
+    if global_scale is not None:
+        check_global_scale(global_scale)
+    if pow2 is None:
+        fast = _native_symmetric(min_vals, max_vals, args, global_scale, empty_as_zero)
+        if fast is not None:
+            return fast
+    if empty_as_zero:
+        empty = min_vals > max_vals
+        if bool(empty.any()):
+            min_vals = torch.where(empty, torch.zeros_like(min_vals), min_vals)
+            max_vals = torch.where(empty, torch.zeros_like(max_vals), max_vals)
     _check_range(min_vals, max_vals)
     out_dtype = min_vals.dtype
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
@@ -208,7 +228,7 @@ def calculate_qparams(
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
 
     if global_scale is not None:
-        scale = check_global_scale(global_scale).to(work) * scale
+        scale = global_scale.to(work) * scale
         if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
             raise ValueError(
                 "global_scale * scale overflowed; the global scale is too large "
@@ -227,6 +247,43 @@ def calculate_qparams(
     else:
         zero_point = _round_to_dtype(zero_point, zp_dtype).to(zp_dtype)
 
+    if scale.ndim == 0:
+        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def _native_symmetric(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: torch.Tensor | None,
+    empty_as_zero: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The symmetric float32 path in one native pass (NVFP4's 1M group
+    scales), or None where it does not apply or the torch path must raise."""
+    scale_dtype = args.scale_dtype or torch.float32
+    if (
+        not args.symmetric
+        or args.is_mx
+        or min_vals.dtype != torch.float32
+        or scale_dtype not in (torch.float32, torch.float8_e4m3fn)
+        or not native.available()
+    ):
+        return None
+    fmt = args.format
+    scale = native.symmetric_scales(
+        min_vals,
+        max_vals,
+        (fmt.max - fmt.min) / 2,
+        None if global_scale is None else float(global_scale.float()),
+        scale_dtype == torch.float8_e4m3fn,
+        _zero_scale_replacement(scale_dtype),
+        empty_as_zero,
+    )
+    if scale is None:
+        return None
+    zp_dtype = args.zp_dtype or torch.int8
+    zero_point = torch.zeros(scale.shape, dtype=zp_dtype, device=scale.device)
     if scale.ndim == 0:
         scale, zero_point = scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point

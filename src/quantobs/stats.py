@@ -26,6 +26,7 @@ from quantobs.layout import block_view, flatten_for_calibration
 __all__ = [
     "NanPolicy",
     "Range",
+    "absmax_or_zero",
     "count_nonfinite",
     "drop_nonfinite",
     "lerp",
@@ -150,6 +151,20 @@ def merge_moving_average(
     if total == 0:
         return a
     return (a * count_a + b * count_b) / total
+
+
+def absmax_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> torch.Tensor:
+    """`(1,)` float32 largest `|value|` of the ranges, empty ones counting 0.
+
+    `max(-min, max, 0)` over every qparam with `min <= max` (one native pass
+    where the kernels apply); a non-finite range gives a non-finite result.
+    """
+    amax = native.range_absmax(min_vals, max_vals)
+    if amax is not None:
+        return torch.tensor([amax], dtype=torch.float32)
+    min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    low = -min_vals.float().min().clamp(max=0.0)
+    return torch.maximum(low, max_vals.float().max().clamp(min=0.0)).reshape(1)
 
 
 def range_or_zero(

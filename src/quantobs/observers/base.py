@@ -28,11 +28,12 @@ from quantobs.layout import (
     flatten_for_calibration,
     num_observations_of,
 )
-from quantobs.qparams import all_finite, calculate_qparams, generate_gparam
+from quantobs.qparams import all_finite, amax_to_global_scale, calculate_qparams
 from quantobs.registry import Registry, validate_options
 from quantobs.stats import (
     NanPolicy,
     Range,
+    absmax_or_zero,
     count_nonfinite,
     drop_nonfinite,
     merge_moving_average,
@@ -306,8 +307,7 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
         if observed is not None:
             self.update(observed)
         self._require_stats()
-        min_vals, max_vals = range_or_zero(*self._global_range())
-        return generate_gparam(min_vals.min().reshape(1), max_vals.max().reshape(1))
+        return amax_to_global_scale(absmax_or_zero(*self._global_range()))
 
     def _global_range(self) -> Range:
         """The ranges the global scale is computed from (the selected ones)."""
@@ -319,13 +319,16 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
         For `tensor_group` the global scale is the module's
         `{base_name}_global_scale` when there is one, else `get_global_scale()`.
         """
-        min_vals, max_vals = self.get_range()
+        self._require_stats()
         global_scale = None
         if self.args.strategy == "tensor_group":
             global_scale = self._module_param("global_scale")
             if global_scale is None:
                 global_scale = self.get_global_scale()
-        return calculate_qparams(min_vals, max_vals, self.args, global_scale)
+        min_vals, max_vals = self._range()
+        return calculate_qparams(
+            min_vals, max_vals, self.args, global_scale, empty_as_zero=True
+        )
 
     def reset(self) -> None:
         """Forget every statistic and count."""
