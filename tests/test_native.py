@@ -386,3 +386,15 @@ def test_range_absmax_equals_eager() -> None:
     hi[1] = math.inf  # a non-empty infinite range: the torch path's inf
     assert native.range_absmax(lo, hi) is None
     assert math.isinf(float(absmax_or_zero(lo, hi)))
+
+
+def test_all_finite_equals_torch() -> None:
+    x = torch.randn(100003)
+    assert native.all_finite(x) is True
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 50000, 100002):
+            y = x.clone()
+            y[where] = bad
+            assert native.all_finite(y) is False
+    assert native.all_finite(torch.tensor([3.4e38, -1e-45, 0.0])) is True
+    assert native.all_finite(x.double()) is None  # not float32: torch decides

@@ -18,6 +18,7 @@ from quantobs import (
     QuantizationArgs,
     calculate_range,
     fake_quantize,
+    generate_gparam,
     preset_scheme,
 )
 from quantobs.observers import StaticMSEObserver
@@ -644,3 +645,24 @@ def test_memoryless_merge_keeps_the_later_batch(name: str) -> None:
     a.update(torch.tensor([[-1.0, 1.0]]))
     b.update(torch.tensor([[-3.0, 2.0]]))
     assert torch.equal(a.merge(b).get_range()[0], b.get_range()[0])
+
+
+def test_global_scale_is_recomputed_whenever_the_statistics_change() -> None:
+    args = QuantizationArgs(**_NVFP4)
+    observer = Observer.load_from_registry(
+        "static_minmax", base_name="weight", args=args
+    )
+    x = torch.randn(8, 64)
+    first = observer.get_global_scale(x)
+    first.mul_(2.0)  # the caller's copy: the observer's answer is unchanged
+    assert torch.equal(observer.get_global_scale(), generate_gparam(x.min(), x.max()))
+    observer.update(x * 4)  # new statistics
+    assert torch.equal(
+        observer.get_global_scale(), generate_gparam(4 * x.min(), 4 * x.max())
+    )
+    observer._stats["max_vals"].mul_(8)  # modified in place: recomputed too
+    expected = generate_gparam(4 * x.min(), observer._stats["max_vals"].max())
+    assert torch.equal(observer.get_global_scale(), expected)
+    observer.reset()
+    with pytest.raises(RuntimeError, match="no statistics"):
+        observer.get_global_scale()

@@ -9,6 +9,8 @@
  *   and G (the canonical layout of quantobs.layout). NaN propagates like
  *   torch.amin / torch.amax.
  *
+ * qo_all_finite: whether every value is finite.
+ *
  * qo_symmetric_scales: scales of symmetric args from min/max ranges, with
  *   calculate_qparams' float32 arithmetic in its order (NVFP4's group scales).
  *
@@ -276,6 +278,15 @@ void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
         maxs[j] = hi;
     }
     free(part);
+}
+
+/* 1 where every value is finite (exponent field not all ones) */
+int64_t qo_all_finite(const float *x, int64_t n, int threads) {
+    const uint32_t *u = (const uint32_t *)x;
+    uint32_t bad = 0;
+#pragma omp parallel for simd schedule(static) num_threads(threads) reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    return !bad;
 }
 
 /* Scales of symmetric args, in calculate_qparams' float32 order:

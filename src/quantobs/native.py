@@ -35,6 +35,7 @@ from quantobs.formats import NumberFormat
 
 __all__ = [
     "add_counts",
+    "all_finite",
     "available",
     "entropy",
     "histc",
@@ -140,6 +141,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_l2_errors.restype = None
         lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
+        lib.qo_all_finite.argtypes = [_P, _I, _INT]
+        lib.qo_all_finite.restype = _I
         lib.qo_symmetric_scales.argtypes = [_P, _P, _I, _F, _F, _INT, _INT, _F]
         lib.qo_symmetric_scales.argtypes += [_INT, _P, _INT]
         lib.qo_symmetric_scales.restype = _I
@@ -199,6 +202,15 @@ def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
     return min_vals.shape == max_vals.shape and _usable(min_vals) and _usable(max_vals)
+
+
+def all_finite(x: torch.Tensor) -> bool | None:
+    """Whether every value of a float32 tensor is finite, or None (not run)."""
+    if not _usable(x):
+        return None
+    return bool(
+        _loaded().qo_all_finite(x.data_ptr(), x.numel(), torch.get_num_threads())
+    )
 
 
 def symmetric_scales(

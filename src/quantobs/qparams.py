@@ -59,9 +59,17 @@ def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element is finite, from one small reduction per tensor.
 
-    NaN and +-inf propagate into `aminmax`, so only its two ends are tested.
+    NaN and +-inf propagate into `aminmax`, so only its two ends are tested
+    (float32 tensors: one native pass where the kernels are built).
     """
-    ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    natively = [native.all_finite(t) for t in tensors]
+    if False in natively:
+        return False
+    ends = [
+        torch.stack(torch.aminmax(t))
+        for t, done in zip(tensors, natively, strict=True)
+        if t.numel() and done is None
+    ]
     return not ends or bool(torch.isfinite(torch.cat(ends)).all())
 
 

@@ -65,6 +65,29 @@ class ObserverOptions(BaseModel):
 _REGISTRY: Registry[Any] = Registry("observer")
 
 
+class _Memo:
+    """One value computed from tensors, reused while they are the same objects
+    with the same in-place version counters (weak references: the memo never
+    keeps replaced statistics alive)."""
+
+    def __init__(self) -> None:
+        self._key: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self._value: torch.Tensor | None = None
+
+    def get(
+        self, tensors: tuple[torch.Tensor, ...], compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        value = self._value
+        fresh = len(self._key) == len(tensors) and all(
+            ref() is t and version == t._version
+            for (ref, version), t in zip(self._key, tensors, strict=False)
+        )
+        if value is None or not fresh:
+            value = self._value = compute()
+            self._key = [(weakref.ref(t), t._version) for t in tensors]
+        return value.clone()  # callers may modify what they get
+
+
 class Observer(torch.nn.Module, metaclass=ABCMeta):
     """Base observer: watches values and turns them into scale / zero point.
 
@@ -112,6 +135,7 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
         self._stats: Stats = {}
         self.num_observations = 0
         self.num_observed_tokens: int | None = None
+        self._global_scale_memo = _Memo()
 
     # ------------------------------------------------------------ registry
 
@@ -307,7 +331,10 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
         if observed is not None:
             self.update(observed)
         self._require_stats()
-        return amax_to_global_scale(absmax_or_zero(*self._global_range()))
+        ranges = self._global_range()
+        return self._global_scale_memo.get(
+            ranges, lambda: amax_to_global_scale(absmax_or_zero(*ranges))
+        )
 
     def _global_range(self) -> Range:
         """The ranges the global scale is computed from (the selected ones)."""
