@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantobs import Observer, QuantizationArgs, flatten_for_calibration
+from quantobs import Observer, QuantizationArgs, flatten_for_calibration, native
 from quantobs.histogram import (
     Histogram,
     check_budget,
@@ -20,6 +20,7 @@ from quantobs.histogram import (
     histogram_of,
     merge_histograms,
     rebin,
+    speculate,
     update_histogram,
 )
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
@@ -435,3 +436,93 @@ def test_histogram_levels_follow_the_format() -> None:
         step = (max_vals - min_vals) / (levels - 1)
         assert float(max_vals + step / 2) <= float(x.max()) + 1e-6 + 1 / 64
         assert float(min_vals) >= -step / 2 - 1e-6
+
+
+# ----------------------------------------------- speculative one-pass update
+
+
+def _speculation_batches(case: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(len(case))
+    normal = [torch.randn(1 << 17, generator=gen) for _ in range(4)]
+    if case == "growing":
+        return [x * (1 + 0.5 * k) for k, x in enumerate(normal)]
+    if case == "shrinking":
+        return [x / (1 + k) for k, x in enumerate(normal)]
+    if case == "sorted":  # a sample guesses the first grid from a spread
+        return [torch.sort(x).values for x in normal]
+    if case == "jump":  # most of batch 2 outside the window: set-aside overflow
+        return [normal[0], normal[1] * 1000, normal[2]]
+    if case == "tiny":  # -1e-42 in bin -1 of the first grid, 0 of the next
+        mixed = normal[1] * 1e-20
+        mixed[::997], mixed[::1001] = -1e-42, 1e10
+        return [normal[0] * 1e-20, mixed, mixed]
+    if case == "huge":  # grids past 2**49: counted twice, not speculated
+        return [normal[0], normal[1] * 1e30]
+    raise AssertionError(case)
+
+
+SPECULATION_CASES = ["growing", "shrinking", "sorted", "jump", "tiny", "huge"]
+
+
+@pytest.mark.parametrize("case", SPECULATION_CASES)
+@pytest.mark.parametrize("absolute", [False, True])
+def test_speculative_update_equals_two_passes(case: str, absolute: bool) -> None:
+    hist = empty_histogram((1,), 2048, absolute)
+    plain = empty_histogram((1,), 2048, absolute)
+    used = 0
+    for x in _speculation_batches(case):
+        x_flat = x.reshape(1, 1, -1)
+        spec = speculate(hist, x_flat)
+        used += spec is not None
+        batch_range = spec.batch_range if spec is not None else None
+        hist = update_histogram(hist, x_flat, batch_range, speculation=spec)
+        plain = update_histogram(plain, x_flat)
+        for name, value in plain.to_stats().items():
+            assert torch.equal(hist.to_stats()[name], value), (case, name)
+    if native.available():
+        assert used >= (1 if case in ("jump", "huge") else 3)
+
+
+def test_speculation_declines_what_it_cannot_do() -> None:
+    hist = update_histogram(empty_histogram((1,), 2048), torch.randn(1, 1, 1 << 17))
+    big = torch.randn(1, 1, 1 << 17)
+    assert speculate(hist, big * 1000) is None  # set-aside budget exceeded
+    assert speculate(hist, big[..., :100]) is None  # small: two passes
+    assert speculate(hist, big.double()) is None
+    two = empty_histogram((2,), 2048)
+    assert speculate(two, torch.randn(1, 2, 1 << 17)) is None  # per tensor only
+    spec = speculate(hist, big)
+    other = big.clone()
+    if spec is not None:  # a speculation completes only its own batch
+        assert spec.matches(hist, big) and not spec.matches(hist, other)
+
+
+@pytest.mark.parametrize("policy", ["raise", "omit"])
+def test_speculative_observer_handles_nonfinite_like_two_passes(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quantobs.observers.histogram as observers
+
+    args = QuantizationArgs(num_bits=8, symmetric=False)
+    x = torch.randn(64, 2048)
+    bad = x.clone()
+    bad[0, 5], bad[3, 77], bad[9, 1000] = math.nan, math.inf, -math.inf
+
+    def run() -> Observer:
+        obs = Observer.load_from_registry(
+            "histogram", base_name="input", args=args, nan_policy=policy
+        )
+        obs.update(x)
+        if policy == "raise":
+            with pytest.raises(ValueError, match="3 non-finite"):
+                obs.update(bad)
+        else:
+            obs.update(bad)
+        obs.update(x * 2)
+        return obs
+
+    fast = run()
+    monkeypatch.setattr(observers, "speculate", lambda hist, x_flat: None)
+    slow = run()
+    for name, value in slow._stats.items():
+        assert torch.equal(fast._stats[name], value), name

@@ -19,6 +19,9 @@
  * qo_histogram: exact integer counts of x on each qparam's power-of-two grid
  *   (quantobs.histogram's binning).
  *
+ * qo_histogram_pass: min/max and counts on a known grid in one pass (a
+ *   per-tensor histogram's speculative update), the rest set aside.
+ *
  * qo_histc: torch.histc's float32 bin selection with exact integer counts.
  *
  * qo_entropy: KL divergences of entropy calibration's candidates.
@@ -41,6 +44,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -424,6 +430,84 @@ void qo_histogram(const float *x, int64_t n, int64_t q, int64_t g, const float *
             free(mine);
         }
     }
+}
+
+/* One pass over the values of a per-tensor histogram whose grid (inv, off)
+ * is already known (histogram.py's speculative update): their min and max,
+ * NaN ignored, into minmax[0..1]; counts of the values whose bin on that
+ * grid lies in [0, bins) added to `counts`; every other value (outside the
+ * window, NaN, or negative with |x| < 2**-100, where a coarser grid's
+ * x * inv may underflow to -0.0) copied to `side`: thread t's at
+ * side + t * cap, side_count[t] of them. Returns 1 if a thread found more
+ * than `cap` such values (then nothing is meaningful). */
+int64_t qo_histogram_pass(const float *x, int64_t len, float inv, float off,
+                          int64_t bins, int absolute, int64_t *counts, float *minmax,
+                          float *side, int64_t cap, int64_t *side_count, int threads) {
+    const float tiny = 0x1p-100f, window = (float)bins;
+    const uint32_t keep = absolute ? 0x7FFFFFFFu : 0xFFFFFFFFu;
+    int64_t overflow = 0;
+    float lo = INFINITY, hi = -INFINITY;
+#pragma omp parallel num_threads(threads) reduction(| : overflow) reduction(min : lo) \
+    reduction(max : hi)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t start = len * t / nt, stop = len * (t + 1) / nt, found = 0;
+        int64_t stride = bins + 1; /* bin `bins`: the values for `side` */
+        int64_t *ways = calloc((size_t)(WAYS * stride), sizeof(int64_t));
+        int64_t *trash = ways + bins, seen = 0; /* way 0's bin `bins` */
+        float *mine = side + (int64_t)t * cap;
+        int32_t index[BLOCK];
+        for (int64_t b0 = start; b0 < stop && ways; b0 += BLOCK) {
+            int64_t m = stop - b0 < BLOCK ? stop - b0 : BLOCK;
+            const float *xb = x + b0;
+            float blo = INFINITY, bhi = -INFINITY;
+#pragma omp simd reduction(min : blo) reduction(max : bhi)
+            for (int64_t i = 0; i < m; ++i) {
+                float u = xb[i];
+                blo = u < blo ? u : blo;
+                bhi = u > bhi ? u : bhi;
+                float b = floorf(float_of(bits_of(u * inv) & keep)) - off; /* |.| */
+                int32_t in = (b >= 0.0f) & (b < window) & !((u < 0.0f) & (u > -tiny));
+                index[i] = in ? (int32_t)b : (int32_t)bins;
+            }
+            lo = blo < lo ? blo : lo;
+            hi = bhi > hi ? bhi : hi;
+            int64_t i = 0;
+            for (; i + WAYS <= m; i += WAYS) {
+                ways[index[i]] += 1;
+                ways[stride + index[i + 1]] += 1;
+                ways[2 * stride + index[i + 2]] += 1;
+                ways[3 * stride + index[i + 3]] += 1;
+            }
+            for (; i < m; ++i) ways[index[i]] += 1;
+            int64_t aside = trash[0] + trash[stride] + trash[2 * stride] + trash[3 * stride];
+            if (aside == seen) continue;
+            seen = aside;
+            for (i = 0; i < m && found <= cap; ++i)
+                if (index[i] == bins) {
+                    if (found < cap) mine[found] = xb[i];
+                    found += 1;
+                }
+        }
+        if (!ways || found > cap) {
+            overflow |= 1;
+            found = 0;
+        }
+        side_count[t] = found;
+        if (ways) {
+#pragma omp critical
+            for (int w = 0; w < WAYS; ++w)
+                for (int64_t k = 0; k < bins; ++k) counts[k] += ways[w * stride + k];
+            free(ways);
+        }
+    }
+    minmax[0] = lo;
+    minmax[1] = hi;
+    return overflow;
 }
 
 /* torch.histc's binning of float32 x over [lo, hi] (lo < hi, hi - lo finite):

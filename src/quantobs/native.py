@@ -39,6 +39,7 @@ __all__ = [
     "available",
     "entropy",
     "histc",
+    "histogram_pass",
     "l2_errors",
     "minmax",
     "mse_errors",
@@ -135,6 +136,9 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_mse_errors.restype = None
         lib.qo_histogram.argtypes = [_P, _I, _I, _I, _P, _P, _I, _INT, _P, _INT]
         lib.qo_histogram.restype = None
+        lib.qo_histogram_pass.argtypes = [_P, _I, _F, _F, _I, _INT, _P, _P, _P, _I]
+        lib.qo_histogram_pass.argtypes += [_P, _INT]
+        lib.qo_histogram_pass.restype = _I
         lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
@@ -315,6 +319,52 @@ def add_counts(
         torch.get_num_threads(),
     )
     return True
+
+
+def histogram_pass(
+    x: torch.Tensor, inv: float, offset: float, bins: int, absolute: bool, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Min/max and counts on a known grid in one pass over float32 `x`.
+
+    Args:
+        x: the values (any shape, contiguous float32).
+        inv, offset: the grid, as in `add_counts` (one qparam).
+        bins: number of bins.
+        absolute: count `abs(x)`.
+        cap: most values each thread may set aside.
+
+    Returns:
+        None where the kernels do not apply, else `(ends, counts, side)`:
+        `(2,)` min and max (NaN propagates), `(bins,)` int64 counts of the
+        values whose bin lies in `[0, bins)`, and the other values (outside
+        the window, NaN, or negative and below 2**-100 in magnitude), or
+        None if a thread found more than `cap` of them.
+    """
+    if not _usable(x):
+        return None
+    threads = torch.get_num_threads()
+    ends = torch.empty(2, dtype=torch.float32)
+    counts = torch.zeros(bins, dtype=torch.int64)
+    side = torch.empty(threads * cap, dtype=torch.float32)
+    side_count = torch.zeros(threads, dtype=torch.int64)
+    overflow = _loaded().qo_histogram_pass(
+        x.data_ptr(),
+        x.numel(),
+        inv,
+        offset,
+        bins,
+        int(absolute),
+        counts.data_ptr(),
+        ends.data_ptr(),
+        side.data_ptr(),
+        cap,
+        side_count.data_ptr(),
+        threads,
+    )
+    if overflow:
+        return ends, counts, None
+    pieces = [side[t * cap : t * cap + k] for t, k in enumerate(side_count.tolist())]
+    return ends, counts, torch.cat(pieces)
 
 
 # float32 counts are exact integers up to here; past it torch.histc rounds

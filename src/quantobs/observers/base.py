@@ -291,7 +291,7 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
             return
         if self.needs_values:
             values = self.flatten(observed)
-            batch_range, x_flat = minmax(values), values
+            batch_range, x_flat = self._batch_range(values), values
             num_observations = values.shape[0]
         else:
             # Range-only statistics skip the layout copy (block) where they can.
@@ -303,6 +303,11 @@ class Observer(torch.nn.Module, metaclass=ABCMeta):
             )
         self._fold(batch_range, x_flat, observed)
         self._count(observed, num_observations)
+
+    def _batch_range(self, x_flat: torch.Tensor) -> Range:
+        """The batch's `(*qparam_shape,)` min/max (NaN propagates); statistics
+        may do more in the same pass (histograms count)."""
+        return minmax(x_flat)
 
     def _update_flat(self, x_flat: torch.Tensor) -> None:
         self._fold(minmax(x_flat), x_flat if self.needs_values else None, x_flat)

@@ -49,9 +49,11 @@ from quantobs.histogram import (
     DEFAULT_MAX_COUNTS,
     MIN_BINS,
     Histogram,
+    Speculation,
     check_budget,
     empty_histogram,
     merge_histograms,
+    speculate,
     update_histogram,
 )
 from quantobs.observers.base import Observer, ObserverOptions
@@ -63,7 +65,7 @@ from quantobs.solvers.histogram_l2 import (
 )
 from quantobs.solvers.histogram_mse import histogram_mse_search
 from quantobs.solvers.percentile import percentile_range
-from quantobs.stats import Range
+from quantobs.stats import Range, minmax
 
 __all__ = [
     "EntropyObserver",
@@ -157,6 +159,7 @@ class HistogramStatObserver(Observer):
     options: HistogramOptions
     needs_values = True
     _nonfinite_pending = False
+    _speculation: Speculation | None = None
 
     def _absolute(self) -> bool:
         return False
@@ -173,25 +176,43 @@ class HistogramStatObserver(Observer):
         self._nonfinite_pending = True
         return torch.where(torch.isfinite(x_flat), x_flat, math.nan)
 
+    def _batch_range(self, x_flat: torch.Tensor) -> Range:
+        # Count on a known (or guessed) grid while finding the min/max: one
+        # pass; `_update_stats` completes the count if this batch is folded.
+        self._speculation = None
+        qshape = tuple(x_flat.shape[1:-1])
+        if math.prod(qshape) == 1:  # per tensor
+            hist = self.histogram if self._stats else self._new(qshape, x_flat.device)
+            self._speculation = speculate(hist, x_flat)
+        if self._speculation is not None:
+            return self._speculation.batch_range
+        return minmax(x_flat)
+
+    def _new(self, qshape: tuple[int, ...], device: torch.device) -> Histogram:
+        check_budget(
+            math.prod(qshape),
+            self.options.bins,
+            self.options.max_counts,
+            what=f"observer {self.name!r} for {self.base_name!r}",
+        )
+        return empty_histogram(qshape, self.options.bins, self._absolute(), device)
+
     def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
         if x_flat is None:  # pragma: no cover - needs_values guarantees values
             raise RuntimeError("histogram observers count values; none were given")
         nonfinite, self._nonfinite_pending = self._nonfinite_pending, False
+        speculation, self._speculation = self._speculation, None
         if self._stats:
             hist = Histogram.from_stats(self._stats, self._absolute())
         else:
-            qshape = tuple(batch_range[0].shape)
-            check_budget(
-                math.prod(qshape),
-                self.options.bins,
-                self.options.max_counts,
-                what=f"observer {self.name!r} for {self.base_name!r}",
-            )
-            hist = empty_histogram(
-                qshape, self.options.bins, self._absolute(), x_flat.device
-            )
+            hist = self._new(tuple(batch_range[0].shape), x_flat.device)
         hist = update_histogram(
-            hist, x_flat, batch_range, has_nonfinite=nonfinite, inplace=True
+            hist,
+            x_flat,
+            batch_range,
+            has_nonfinite=nonfinite,
+            inplace=True,
+            speculation=speculation,
         )
         self._stats = hist.to_stats()
 
