@@ -6,6 +6,7 @@ elsewhere (llm-compressor parity, min/max layouts) run both paths.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -398,3 +399,31 @@ def test_all_finite_equals_torch() -> None:
             assert native.all_finite(y) is False
     assert native.all_finite(torch.tensor([3.4e38, -1e-45, 0.0])) is True
     assert native.all_finite(x.double()) is None  # not float32: torch decides
+
+
+@pytest.mark.parametrize("dst_nbins", [256, 128, 16, 3])
+def test_torch_l2_terms_equal_eager_bit_for_bit(dst_nbins: int) -> None:
+    from quantobs.solvers.histogram_l2 import _torch_errors
+
+    gen = torch.Generator().manual_seed(dst_nbins)
+    for bins, width in ((2048, 1.3e-3), (256, 7.0), (101, 3.3e-7), (8, 1e4)):
+        hist = torch.randint(0, 1000, (1, bins), generator=gen).float()
+        hist[0, torch.rand(bins, generator=gen) < 0.3] = 0.0
+        starts = torch.randint(0, bins, (64,), generator=gen)
+        ends = torch.minimum(
+            starts + torch.randint(0, bins, (64,), generator=gen),
+            torch.tensor(bins - 1),
+        )
+        bin_width = torch.full((64,), width, dtype=torch.float64) * (
+            1 + torch.rand(64, generator=gen, dtype=torch.float64)
+        )
+        for shared in (True, False):
+            h = hist if shared else hist.expand(64, bins) * 1.5
+            got = _torch_errors(h, bin_width, dst_nbins, starts, ends)
+            args = (h, bin_width, dst_nbins, starts, ends)
+            expected = _eager(functools.partial(_torch_errors, *args))
+            assert torch.equal(got, expected), (bins, width, shared)
+    with pytest.raises(ValueError, match="every width"):
+        native.torch_l2_terms(
+            hist, starts, bin_width[:3], bin_width, bin_width, bin_width, 4
+        )

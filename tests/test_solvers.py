@@ -88,7 +88,7 @@ def _torch_observer(config: str, batches: list[torch.Tensor]) -> HistogramObserv
 @pytest.mark.peers
 @pytest.mark.parametrize("config", list(TORCH_CONFIGS))
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
-def test_torch_l2_search_equals_torch(dist: str, config: str) -> None:
+def test_torch_l2_search_equals_torch(dist: str, config: str, backend: str) -> None:
     observer = _torch_observer(config, DISTRIBUTIONS[dist](_gen(0)))
     expected = observer._non_linear_param_search()
     got = torch_l2_search(
@@ -141,7 +141,7 @@ _STATES = [
     ],
 )
 def test_torch_l2_search_on_arbitrary_state(
-    kind: str, bins: int, dst_nbins: int, min_val: float, width: float
+    kind: str, bins: int, dst_nbins: int, min_val: float, width: float, backend: str
 ) -> None:
     # torch's search run on a state set by hand: histograms no update rule
     # produces, odd bin counts and destination levels.

@@ -22,6 +22,8 @@
  * qo_histogram_pass: min/max and counts on a known grid in one pass (a
  *   per-tensor histogram's speculative update), the rest set aside.
  *
+ * qo_torch_l2_terms: the per-bin terms of torch.ao's histogram L2 error.
+ *
  * qo_histc: torch.histc's float32 bin selection with exact integer counts.
  *
  * qo_entropy: KL divergences of entropy calibration's candidates.
@@ -629,6 +631,64 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
         }
     }
     free(log_count);
+}
+
+/* fmod(a, b) for finite a and b > 0, exactly (as std::fmod): with |a| and b
+ * floats, q * b is exact in double for the truncated quotient q < 2**29
+ * (rounding never takes x / y below an integer it reaches, only up to one,
+ * which the correction undoes). */
+ALWAYS_INLINE float fmod_exact(float a, float b) {
+    double x = fabs((double)a), y = (double)b;
+    double q = floor(x / y);
+    double r = x - q * y;
+    r = r < 0.0 ? r + y : r; /* x / y rounded up to an integer */
+    return a < 0.0f ? -(float)r : (float)r;
+}
+
+/* torch's div(a, b, rounding_mode="floor") for floats, b > 0, in its order */
+ALWAYS_INLINE float div_floor(float a, float b) {
+    float mod = fmod_exact(a, b);
+    float div = (a - mod) / b;
+    div = (mod != 0.0f) & (mod < 0.0f) ? div - 1.0f : div; /* b > 0 */
+    float floordiv = floorf(div);
+    floordiv = div - floordiv > 0.5f ? floordiv + 1.0f : floordiv;
+    return div == 0.0f ? copysignf(0.0f, a / b) : floordiv;
+}
+
+/* The terms of torch.ao HistogramObserver._compute_quantization_error, per
+ * proposal p (start bin, and float32 bin width bw, destination width dw,
+ * half = f32(dst_width / 2), neg_half = f32(-dst_width / 2)) and source bin j,
+ * with torch's float32 elementwise arithmetic in its order (dw > 0); the
+ * caller sums each row with torch, as torch does. */
+void qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t count,
+                       const int64_t *starts, const float *bw, const float *dw,
+                       const float *half, const float *neg_half, int64_t dst_nbins,
+                       float *out, int threads) {
+    const float top = (float)(dst_nbins - 1);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < count; ++p) {
+        const float *h = hist + (shared ? 0 : p * bins);
+        float w = bw[p], d = dw[p], hf = half[p], nh = neg_half[p];
+        float half3 = hf * hf * hf, neg3 = nh * nh * nh;
+        float inner_c = (half3 - neg3) / 3.0f;
+        float *o = out + p * bins;
+#pragma omp simd
+        for (int64_t j = 0; j < bins; ++j) {
+            float begin = (float)(j - starts[p]) * w;
+            float end = begin + w;
+            float db = div_floor(begin, d);
+            db = db < 0.0f ? 0.0f : (db > top ? top : db);
+            float de = div_floor(end, d);
+            de = de < 0.0f ? 0.0f : (de > top ? top : de);
+            float density = h[j] / w;
+            float delta_begin = begin - (db + 0.5f) * d;
+            float n = 0.0f + density * ((half3 - delta_begin * delta_begin * delta_begin) / 3.0f);
+            n = n + ((de - db) - 1.0f) * (density * inner_c);
+            float delta_end = end - (de * d + hf);
+            n = n + density * ((delta_end * delta_end * delta_end - neg3) / 3.0f);
+            o[j] = n;
+        }
+    }
 }
 
 /* pow24 over an array: for the tests */
