@@ -645,36 +645,46 @@ ALWAYS_INLINE float fmod_exact(float a, float b) {
     return a < 0.0f ? -(float)r : (float)r;
 }
 
-/* torch's div(a, b, rounding_mode="floor") for floats, b > 0, in its order */
+/* torch's div(a, b, rounding_mode="floor") for floats, b >= 0, in its order */
 ALWAYS_INLINE float div_floor(float a, float b) {
     float mod = fmod_exact(a, b);
     float div = (a - mod) / b;
     div = (mod != 0.0f) & (mod < 0.0f) ? div - 1.0f : div; /* b > 0 */
     float floordiv = floorf(div);
     floordiv = div - floordiv > 0.5f ? floordiv + 1.0f : floordiv;
-    return div == 0.0f ? copysignf(0.0f, a / b) : floordiv;
+    floordiv = div == 0.0f ? copysignf(0.0f, a / b) : floordiv;
+    return b == 0.0f ? a / b : floordiv;
 }
 
 /* The terms of torch.ao HistogramObserver._compute_quantization_error, per
- * proposal p (start bin, and float32 bin width bw, destination width dw,
- * half = f32(dst_width / 2), neg_half = f32(-dst_width / 2)) and source bin j,
- * with torch's float32 elementwise arithmetic in its order (dw > 0); the
- * caller sums each row with torch, as torch does. */
+ * proposal p (start and end bins, float64 source bin width) and source bin j,
+ * with torch's arithmetic in its order: the destination width in double,
+ * dst = bin_width * (end - start + 1) / dst_nbins, then float32 elementwise
+ * with bw = f32(bin_width), dw = f32(dst), half = f32(dst / 2) and
+ * neg_half = f32(-dst / 2). A row with dst == 0 is zeros (torch returns 0).
+ * The caller sums each row with torch, as torch does. */
 void qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t count,
-                       const int64_t *starts, const float *bw, const float *dw,
-                       const float *half, const float *neg_half, int64_t dst_nbins,
-                       float *out, int threads) {
+                       const int64_t *starts, const int64_t *ends,
+                       const double *bin_width, int64_t dst_nbins, float *out,
+                       int threads) {
     const float top = (float)(dst_nbins - 1);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; ++p) {
         const float *h = hist + (shared ? 0 : p * bins);
-        float w = bw[p], d = dw[p], hf = half[p], nh = neg_half[p];
+        float *o = out + p * bins;
+        double dst = bin_width[p] * (double)(ends[p] - starts[p] + 1) / (double)dst_nbins;
+        if (dst == 0.0) {
+            memset(o, 0, (size_t)bins * sizeof(float));
+            continue;
+        }
+        float w = (float)bin_width[p], d = (float)dst;
+        float hf = (float)(dst / 2), nh = (float)(-dst / 2);
         float half3 = hf * hf * hf, neg3 = nh * nh * nh;
         float inner_c = (half3 - neg3) / 3.0f;
-        float *o = out + p * bins;
+        int64_t start = starts[p];
 #pragma omp simd
         for (int64_t j = 0; j < bins; ++j) {
-            float begin = (float)(j - starts[p]) * w;
+            float begin = (float)(j - start) * w;
             float end = begin + w;
             float db = div_floor(begin, d);
             db = db < 0.0f ? 0.0f : (db > top ? top : db);
@@ -682,7 +692,8 @@ void qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t 
             de = de < 0.0f ? 0.0f : (de > top ? top : de);
             float density = h[j] / w;
             float delta_begin = begin - (db + 0.5f) * d;
-            float n = 0.0f + density * ((half3 - delta_begin * delta_begin * delta_begin) / 3.0f);
+            float n = 0.0f + density * ((half3 - delta_begin * delta_begin * delta_begin) /
+                                        3.0f);
             n = n + ((de - db) - 1.0f) * (density * inner_c);
             float delta_end = end - (de * d + hf);
             n = n + density * ((delta_end * delta_end * delta_end - neg3) / 3.0f);

@@ -140,8 +140,7 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histogram_pass.argtypes = [_P, _I, _F, _F, _I, _INT, _P, _P, _P, _I]
         lib.qo_histogram_pass.argtypes += [_P, _INT]
         lib.qo_histogram_pass.restype = _I
-        lib.qo_torch_l2_terms.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _I]
-        lib.qo_torch_l2_terms.argtypes += [_P, _INT]
+        lib.qo_torch_l2_terms.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _INT]
         lib.qo_torch_l2_terms.restype = None
         lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
         lib.qo_histc.restype = None
@@ -411,30 +410,29 @@ def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | No
 def torch_l2_terms(
     histogram: torch.Tensor,
     starts: torch.Tensor,
+    ends: torch.Tensor,
     bin_width: torch.Tensor,
-    dst_width: torch.Tensor,
-    half: torch.Tensor,
-    neg_half: torch.Tensor,
     dst_nbins: int,
 ) -> torch.Tensor | None:
     """The `(P, bins)` float32 terms of torch.ao's histogram L2 error, or None.
 
-    `histogram_l2._torch_errors`' elementwise float32 arithmetic (torch's
-    `_compute_quantization_error` before its sum), for P proposals of start
-    bins `starts` and float32 widths `bin_width`, `dst_width` (> 0), `half`,
-    `neg_half`, each `(P,)`; `histogram` is `(P, bins)` or `(1, bins)`.
+    `histogram_l2._torch_errors`' arithmetic (torch's
+    `_compute_quantization_error` before its sum) for P proposals: `(P,)`
+    start and end bins and float64 source bin widths; `histogram` is
+    `(P, bins)` or `(1, bins)` float32.
     """
     if not _usable(histogram) or histogram.ndim != 2:
         return None
     count, bins = starts.numel(), histogram.shape[1]
-    if histogram.shape[0] not in (1, count) or any(
-        t.numel() != count for t in (bin_width, dst_width, half, neg_half)
-    ):
-        raise ValueError("histogram must be (1 or P, bins) and every width (P,)")
-    floats = [
-        t.to(torch.float32).contiguous() for t in (bin_width, dst_width, half, neg_half)
-    ]
+    if histogram.shape[0] not in (1, count) or {ends.numel(), bin_width.numel()} != {
+        count
+    }:
+        raise ValueError(
+            "histogram must be (1 or P, bins) and starts, ends, widths (P,)"
+        )
     starts = starts.to(torch.int64).contiguous()
+    ends = ends.to(torch.int64).contiguous()
+    bin_width = bin_width.to(torch.float64).contiguous()
     out = torch.empty(count, bins, dtype=torch.float32)
     _loaded().qo_torch_l2_terms(
         histogram.data_ptr(),
@@ -442,7 +440,8 @@ def torch_l2_terms(
         int(histogram.shape[0] == 1),
         count,
         starts.data_ptr(),
-        *(t.data_ptr() for t in floats),
+        ends.data_ptr(),
+        bin_width.data_ptr(),
         dst_nbins,
         out.data_ptr(),
         torch.get_num_threads(),

@@ -189,6 +189,9 @@ def _torch_errors(
     Returns:
         `(P,)` float32 errors (0 where the destination bin width is 0).
     """
+    terms = native.torch_l2_terms(histogram, starts, ends, bin_width, dst_nbins)
+    if terms is not None:  # the same terms, in one native pass
+        return terms.sum(dim=1)
     bins = histogram.shape[-1]
     device = histogram.device
     f32 = torch.float32
@@ -198,13 +201,6 @@ def _torch_errors(
     dw = dst_width.to(f32)[:, None]
     half = (dst_width / 2).to(f32)[:, None]
     neg_half = (-dst_width / 2).to(f32)[:, None]
-
-    if bool((dst_width > 0).all()):
-        terms = native.torch_l2_terms(
-            histogram.contiguous(), starts, bw, dw, half, neg_half, dst_nbins
-        )
-        if terms is not None:  # the same terms, in one native pass
-            return terms.sum(dim=1)
 
     src_bin = torch.arange(bins, device=device)
     src_begin = (src_bin[None, :] - starts[:, None]) * bw  # (P, bins)
@@ -278,10 +274,8 @@ def torch_l2_search(
 
     start_bin, end_bin = 0, bins - 1
     norm_min = float("inf")
-    # torch usually stops within 3 to 40 proposals: score blocks of growing
-    # size (natively a proposal costs little next to a block's overhead).
-    first = 32 if native.available() else 8
-    size, most = first, max(first, _PROPOSAL_ELEMS // bins)
+    # torch usually stops within 3 to 40 proposals: score blocks of growing size.
+    size, most = 8, max(8, _PROPOSAL_ELEMS // bins)
     while block := list(itertools.islice(proposals, size)):
         pairs = torch.tensor(block, dtype=torch.int64, device=histogram.device)
         errors = _torch_errors(
