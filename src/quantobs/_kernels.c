@@ -645,15 +645,15 @@ ALWAYS_INLINE float fmod_exact(float a, float b) {
     return a < 0.0f ? -(float)r : (float)r;
 }
 
-/* torch's div(a, b, rounding_mode="floor") for floats, b >= 0, in its order */
+/* torch's div(a, b, rounding_mode="floor") for floats, b > 0, in its order
+ * (the sign of a / b is the sign of a) */
 ALWAYS_INLINE float div_floor(float a, float b) {
     float mod = fmod_exact(a, b);
     float div = (a - mod) / b;
     div = (mod != 0.0f) & (mod < 0.0f) ? div - 1.0f : div; /* b > 0 */
     float floordiv = floorf(div);
     floordiv = div - floordiv > 0.5f ? floordiv + 1.0f : floordiv;
-    floordiv = div == 0.0f ? copysignf(0.0f, a / b) : floordiv;
-    return b == 0.0f ? a / b : floordiv;
+    return div == 0.0f ? copysignf(0.0f, a) : floordiv;
 }
 
 /* The terms of torch.ao HistogramObserver._compute_quantization_error, per
@@ -662,12 +662,18 @@ ALWAYS_INLINE float div_floor(float a, float b) {
  * dst = bin_width * (end - start + 1) / dst_nbins, then float32 elementwise
  * with bw = f32(bin_width), dw = f32(dst), half = f32(dst / 2) and
  * neg_half = f32(-dst / 2). A row with dst == 0 is zeros (torch returns 0).
- * The caller sums each row with torch, as torch does. */
-void qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t count,
+ * The caller sums each row with torch, as torch does. Returns 1, computing
+ * nothing, if some dst > 0 rounds to a float32 zero (torch then divides by
+ * zero: left to the eager twin). */
+int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t count,
                        const int64_t *starts, const int64_t *ends,
                        const double *bin_width, int64_t dst_nbins, float *out,
                        int threads) {
     const float top = (float)(dst_nbins - 1);
+    for (int64_t p = 0; p < count; ++p) {
+        double dst = bin_width[p] * (double)(ends[p] - starts[p] + 1) / (double)dst_nbins;
+        if (dst != 0.0 && (float)dst == 0.0f) return 1;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; ++p) {
         const float *h = hist + (shared ? 0 : p * bins);
@@ -700,6 +706,7 @@ void qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t 
             o[j] = n;
         }
     }
+    return 0;
 }
 
 /* pow24 over an array: for the tests */

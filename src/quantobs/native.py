@@ -59,6 +59,7 @@ _COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
+_SERIAL_ELEMS = 1 << 16  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 
@@ -141,7 +142,7 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histogram_pass.argtypes += [_P, _INT]
         lib.qo_histogram_pass.restype = _I
         lib.qo_torch_l2_terms.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _INT]
-        lib.qo_torch_l2_terms.restype = None
+        lib.qo_torch_l2_terms.restype = _I
         lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
@@ -419,7 +420,8 @@ def torch_l2_terms(
     `histogram_l2._torch_errors`' arithmetic (torch's
     `_compute_quantization_error` before its sum) for P proposals: `(P,)`
     start and end bins and float64 source bin widths; `histogram` is
-    `(P, bins)` or `(1, bins)` float32.
+    `(P, bins)` or `(1, bins)` float32. None also where a destination width
+    rounds to a float32 zero (torch divides by it; the eager twin follows).
     """
     if not _usable(histogram) or histogram.ndim != 2:
         return None
@@ -434,7 +436,7 @@ def torch_l2_terms(
     ends = ends.to(torch.int64).contiguous()
     bin_width = bin_width.to(torch.float64).contiguous()
     out = torch.empty(count, bins, dtype=torch.float32)
-    _loaded().qo_torch_l2_terms(
+    bad = _loaded().qo_torch_l2_terms(
         histogram.data_ptr(),
         bins,
         int(histogram.shape[0] == 1),
@@ -444,9 +446,10 @@ def torch_l2_terms(
         bin_width.data_ptr(),
         dst_nbins,
         out.data_ptr(),
-        torch.get_num_threads(),
+        # small blocks: waking a second thread costs more than it saves
+        1 if count * bins <= _SERIAL_ELEMS else torch.get_num_threads(),
     )
-    return out
+    return None if bad else out
 
 
 def l2_errors(
