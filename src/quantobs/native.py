@@ -59,7 +59,7 @@ _COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
-_SERIAL_ELEMS = 1 << 16  # torch_l2_terms runs this much work on one thread
+_SERIAL_ELEMS = 1 << 14  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 
