@@ -285,17 +285,22 @@ def test_shape_mismatches_are_errors_not_overruns() -> None:
         native.l2_errors(torch.zeros(8, 3, dtype=torch.float64), x[0, 0], x[0, 0], 4)
 
 
-def test_entropy_divergences_equal_eager() -> None:
-    from quantobs.solvers.entropy import _divergences
+@pytest.mark.parametrize("counts", ["integer", "fractional"])
+def test_entropy_divergences_equal_eager(counts: str) -> None:
+    from quantobs.solvers.entropy import _divergences, _prefixes
 
     gen = torch.Generator().manual_seed(12)
     h = (torch.rand(7, 300, generator=gen) ** 3 * 50).floor().double()
     h[2, 150:] = 0  # empty tail: impossible candidates
     h[3] = 0  # no data at all
+    if counts == "fractional":  # no log table: the kernel calls log
+        h = h * 0.75
+    prefixes = _prefixes(h)
     cands = torch.arange(20, 301, 3)
-    for levels in (16, 128):
-        got = _divergences(h, cands, levels)
-        expected = _eager(lambda: _divergences(h, cands, levels))  # noqa: B023
+    for levels in (16, 128, 100):
+        got = native.entropy(h, *prefixes, cands, levels)
+        assert got is not None
+        expected = _divergences(h, prefixes, cands, levels)
         assert torch.equal(torch.isinf(got), torch.isinf(expected))
         finite = torch.isfinite(expected)
         assert torch.allclose(got[finite], expected[finite], rtol=1e-9, atol=1e-12)

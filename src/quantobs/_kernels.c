@@ -593,11 +593,16 @@ void qo_l2_errors(const double *table, int64_t bins, const double *lo,
  * h log h below j), all (Q, B + 1); h (Q, B). levels: quantized levels. */
 void qo_entropy(const double *h, const double *csum, const double *nz,
                 const double *plogp, int64_t q, int64_t bins, const int64_t *cands,
-                int64_t count, int64_t levels, double *out, int threads) {
+                int64_t count, int64_t levels, int64_t masses, double *out,
+                int threads) {
     const double tiny = 1e-300;
-    double *log_count = malloc((size_t)(bins + 1) * sizeof(double));
+    /* log n for bin counts n <= bins, and log m for integer level masses
+     * m < masses (0: masses are not all integers, or too many): the same
+     * doubles log() returns, looked up */
+    int64_t size = (bins + 1 > masses ? bins + 1 : masses);
+    double *log_count = malloc((size_t)size * sizeof(double));
     if (!log_count) return; /* the caller checks for NaN: see native.entropy */
-    for (int64_t n = 0; n <= bins; ++n) log_count[n] = log(n > 1 ? (double)n : 1.0);
+    for (int64_t n = 0; n < size; ++n) log_count[n] = log(n > 1 ? (double)n : 1.0);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t r = 0; r < q; ++r) {
         const double *hr = h + r * bins, *cs = csum + r * (bins + 1);
@@ -611,15 +616,23 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
             double p_term = pl[i - 1] + (kept > 0 ? kept * log(kept) : 0.0);
             double q_term = 0.0, top_mass = 0.0, top_bins = 0.0;
             int64_t top = (i - 1) * levels / i, lower = 0;
+            /* upper = ceil((k + 1) i / levels), stepped without a division:
+             * (k + 1) i = quot * levels + rem */
+            int64_t step_q = i / levels, step_r = i % levels, quot = 0, rem = 0;
             for (int64_t k = 0; k < levels; ++k) {
-                int64_t upper = ((k + 1) * i + levels - 1) / levels;
+                quot += step_q;
+                rem += step_r;
+                if (rem >= levels) rem -= levels, quot += 1;
+                int64_t upper = quot + (rem > 0);
                 double mass = cs[upper] - cs[lower], filled = nr[upper] - nr[lower];
                 lower = upper;
                 if (mass <= 0) { /* no mass: contributes 0 * log(tiny / n) = 0 */
                     if (k == top) top_mass = mass, top_bins = filled;
                     continue;
                 }
-                q_term += mass * (log(mass > tiny ? mass : tiny) - log_count[(int64_t)filled]);
+                double log_mass = mass < (double)masses ? log_count[(int64_t)mass]
+                                                        : log(mass > tiny ? mass : tiny);
+                q_term += mass * (log_mass - log_count[(int64_t)filled]);
                 if (k == top) top_mass = mass, top_bins = filled;
             }
             double q_last = log(top_bins > 0 ? top_mass / top_bins : 1.0);

@@ -59,6 +59,7 @@ _COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
+_LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
 _SERIAL_ELEMS = 1 << 14  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
@@ -147,7 +148,7 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
         lib.qo_l2_errors.restype = None
-        lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _INT]
+        lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
         lib.qo_all_finite.argtypes = [_P, _I, _INT]
         lib.qo_all_finite.restype = _I
@@ -509,6 +510,9 @@ def entropy(
     if cands.numel() and not (int(cands.min()) >= 1 and int(cands.max()) <= bins):
         raise ValueError(f"candidate bins must lie in [1, {bins}]")
     out = torch.full((num_q, cands.numel()), math.nan, dtype=torch.float64)
+    # integer counts: the logs of level masses come from a table
+    total = float(prefixes[1][:, -1].max()) if num_q else 0.0
+    integral = total < _LOG_TABLE and bool((prefixes[0] == prefixes[0].floor()).all())
     _loaded().qo_entropy(
         *(t.data_ptr() for t in prefixes),
         num_q,
@@ -516,6 +520,7 @@ def entropy(
         cands.data_ptr(),
         cands.numel(),
         levels,
+        int(total) + 1 if integral else 0,
         out.data_ptr(),
         torch.get_num_threads(),
     )

@@ -51,7 +51,22 @@ def _xlogx(x: torch.Tensor) -> torch.Tensor:
     return torch.xlogy(x, x)  # 0 log 0 = 0
 
 
-def _divergences(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor:
+Prefixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _prefixes(h: torch.Tensor) -> Prefixes:
+    """`(csum, nz, plogp)` of `h` `(Q, B)`, each `(Q, B + 1)`: the mass, the
+    non-empty bins and the `c log c` below each bin edge."""
+    zero = torch.zeros(h.shape[0], 1, dtype=torch.float64, device=h.device)
+    csum = torch.cat([zero, torch.cumsum(h, dim=1)], dim=1)
+    nz = torch.nn.functional.pad(torch.cumsum(h > 0, dim=1), (1, 0))  # int64
+    plogp = torch.cat([zero, torch.cumsum(_xlogx(h), dim=1)], dim=1)
+    return csum, nz, plogp
+
+
+def _divergences(
+    h: torch.Tensor, prefixes: Prefixes, cands: torch.Tensor, levels: int
+) -> torch.Tensor:
     """KL of each candidate `(C,)` for each row of `h` `(Q, B)` -> `(Q, C)`.
 
     The level boundaries depend only on the candidate and the level count, so
@@ -59,16 +74,10 @@ def _divergences(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Ten
     """
     num_q, bins = h.shape
     device = h.device
-    zero = torch.zeros(num_q, 1, dtype=torch.float64, device=device)
-    csum = torch.cat([zero, torch.cumsum(h, dim=1)], dim=1)  # mass below j
-    nz = torch.nn.functional.pad(torch.cumsum(h > 0, dim=1), (1, 0))  # int64
-    plogp = torch.cat([zero, torch.cumsum(_xlogx(h), dim=1)], dim=1)
+    csum, nz, plogp = prefixes
     total = csum[:, -1:]  # (Q, 1)
     i = cands.to(torch.int64)  # (C,)
     num_c = i.numel()
-    found = native.entropy(h, csum, nz, plogp, i, levels)
-    if found is not None:
-        return found
 
     mass_below = csum[:, i]  # S_i (Q, C)
     tail = total - mass_below
@@ -178,13 +187,17 @@ def entropy_search(
             if mine.numel() == 0:
                 continue
             sub = h[rows]
-            kl = torch.cat(
-                [
-                    _divergences(sub, mine[c0 : c0 + c_step], int(count))
-                    for c0 in range(0, mine.numel(), c_step)
-                ],
-                dim=1,
-            )
+            prefixes = _prefixes(sub)
+            # natively every candidate at once, eagerly in bounded chunks
+            kl = native.entropy(sub, *prefixes, mine, int(count))
+            if kl is None:
+                kl = torch.cat(
+                    [
+                        _divergences(sub, prefixes, mine[c0 : c0 + c_step], int(count))
+                        for c0 in range(0, mine.numel(), c_step)
+                    ],
+                    dim=1,
+                )
             kl = torch.where(mine[None, :] <= stop[rows, None], kl, math.inf)
             # Last minimum: search the reversed candidates for the first one.
             least, rev = kl.flip(1).min(dim=1)
