@@ -40,6 +40,7 @@ __all__ = [
     "check_global_scale",
     "generate_gparam",
     "pow2_exponent",
+    "range_or_zero",
     "scale_to_storage",
     "storage_to_scale",
 ]
@@ -71,6 +72,17 @@ def all_finite(*tensors: torch.Tensor) -> bool:
         if t.numel() and done is None
     ]
     return not ends or bool(torch.isfinite(torch.cat(ends)).all())
+
+
+def range_or_zero(
+    min_vals: torch.Tensor, max_vals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    empty = min_vals > max_vals
+    if not bool(empty.any()):
+        return min_vals, max_vals
+    zero = torch.zeros_like(min_vals)
+    return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
 
 
 def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
@@ -198,10 +210,7 @@ def calculate_qparams(
         if fast is not None:
             return fast
     if empty_as_zero:
-        empty = min_vals > max_vals
-        if bool(empty.any()):
-            min_vals = torch.where(empty, torch.zeros_like(min_vals), min_vals)
-            max_vals = torch.where(empty, torch.zeros_like(max_vals), max_vals)
+        min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals)
     out_dtype = min_vals.dtype
     work = torch.float64 if out_dtype == torch.float64 else torch.float32

@@ -22,6 +22,7 @@ import torch
 from quantobs import native
 from quantobs.args import QuantizationArgs
 from quantobs.layout import block_view, flatten_for_calibration
+from quantobs.qparams import range_or_zero
 
 __all__ = [
     "NanPolicy",
@@ -165,14 +166,3 @@ def absmax_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> torch.Tens
     min_vals, max_vals = range_or_zero(min_vals, max_vals)
     low = -min_vals.float().min().clamp(max=0.0)
     return torch.maximum(low, max_vals.float().max().clamp(min=0.0)).reshape(1)
-
-
-def range_or_zero(
-    min_vals: torch.Tensor, max_vals: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
-    empty = min_vals > max_vals
-    if not bool(empty.any()):
-        return min_vals, max_vals
-    zero = torch.zeros_like(min_vals)
-    return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
