@@ -434,3 +434,28 @@ def test_torch_l2_terms_equal_eager_bit_for_bit(dst_nbins: int) -> None:
             assert float(got[0]) == 0.0
     with pytest.raises(ValueError, match="starts, ends, widths"):
         native.torch_l2_terms(hist, starts, ends, bin_width[:3], 4)
+
+
+def test_minmax_facts_hold_only_for_unmodified_ranges() -> None:
+    from quantobs.qparams import all_finite
+    from quantobs.stats import absmax_or_zero
+
+    x = torch.randn(4, 64, 16)
+    mins, maxs = native.minmax(x)  # type: ignore[misc]
+    assert native.known_finite(mins) and native.known_finite(maxs)
+    assert native.known_absmax(mins, maxs) == float(x.abs().max())
+    assert native.known_absmax(mins, maxs.clone()) is None  # not its partner
+    assert float(absmax_or_zero(mins, maxs)) == float(x.abs().max())
+    mins[3] = math.nan  # in place: the facts no longer hold
+    assert not native.known_finite(mins) and native.known_absmax(mins, maxs) is None
+    assert not all_finite(mins, maxs)
+    view = maxs.view(8, 8)  # views share the version counter
+    view[0, 0] = math.inf
+    assert not native.known_finite(maxs)
+    bad = x.clone()
+    bad[1, 2, 3] = math.inf  # nothing is remembered for non-finite data
+    lo, hi = native.minmax(bad)  # type: ignore[misc]
+    assert not native.known_finite(lo) and not all_finite(lo, hi)
+    count = len(native._FACTS)
+    del mins, maxs, view
+    assert len(native._FACTS) == count - 2  # entries leave with their tensors

@@ -7,7 +7,8 @@
  *
  * qo_minmax: min and max per qparam of x viewed as (N, Q, G), reduced over N
  *   and G (the canonical layout of quantobs.layout). NaN propagates like
- *   torch.amin / torch.amax.
+ *   torch.amin / torch.amax. Also says whether every value was finite, and
+ *   the largest |value|: what the caller would otherwise read them again for.
  *
  * qo_all_finite: whether every value is finite.
  *
@@ -229,6 +230,15 @@ ALWAYS_INLINE void qparam_minmax(const float *restrict x, int64_t n, int64_t q,
     *hi = nan ? NAN : mx;
 }
 
+/* What the caller checks next, learned from the ranges of all qparams: 1
+ * if every value was finite, with *absmax = max(-min, max, 0) over them */
+static int64_t summarize(float lo, float hi, int nan, float *absmax) {
+    if (nan || !isfinite(lo) || !isfinite(hi)) return 0;
+    float a = -lo > hi ? -lo : hi;
+    *absmax = a > 0.0f ? a : 0.0f;
+    return 1;
+}
+
 /* rows of 16 (NVFP4 groups), one per qparam: unrolled whole, no reduction */
 static void minmax_rows16(const float *restrict x, int64_t q, float *restrict mins,
                           float *restrict maxs, int threads) {
@@ -248,45 +258,65 @@ static void minmax_rows16(const float *restrict x, int64_t q, float *restrict mi
     }
 }
 
-void qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
-               float *maxs, int threads) {
-    if (n == 1 && g == 16) {
-        minmax_rows16(x, q, mins, maxs, threads);
-        return;
-    }
+/* the general case: any rows and group length */
+static void minmax_rows(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
+                        float *maxs, int threads) {
     /* many rows: each thread folds a block of rows (read in order) into its
      * own min/max, then the blocks are folded; one row: qparams split */
     float *part = n > 1 ? malloc((size_t)(threads * 2 * q) * sizeof(float)) : NULL;
     if (!part) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t j = 0; j < q; ++j) qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
-        return;
-    }
+    } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < threads; ++t) {
-        float *lo = part + (int64_t)t * 2 * q, *hi = lo + q;
-        int64_t r0 = n * t / threads, r1 = n * (t + 1) / threads;
-        for (int64_t j = 0; j < q; ++j) lo[j] = hi[j] = x[j * g];
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t j = 0; j < q; ++j) {
-                float a, b;
-                qparam_minmax(x + r * q * g, 1, q, g, j, &a, &b);
-                lo[j] = (a < lo[j] || a != a) ? a : lo[j];
-                hi[j] = (b > hi[j] || b != b) ? b : hi[j];
-            }
-    }
-    for (int64_t j = 0; j < q; ++j) {
-        float lo = part[j], hi = part[q + j];
-        for (int t = 1; t < threads; ++t) {
-            float a = part[(int64_t)t * 2 * q + j], b = part[(int64_t)t * 2 * q + q + j];
-            lo = (a < lo || a != a) ? a : lo;
-            hi = (b > hi || b != b) ? b : hi;
+        for (int t = 0; t < threads; ++t) {
+            float *lo = part + (int64_t)t * 2 * q, *hi = lo + q;
+            int64_t r0 = n * t / threads, r1 = n * (t + 1) / threads;
+            for (int64_t j = 0; j < q; ++j) lo[j] = hi[j] = x[j * g];
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t j = 0; j < q; ++j) {
+                    float a, b;
+                    qparam_minmax(x + r * q * g, 1, q, g, j, &a, &b);
+                    lo[j] = (a < lo[j] || a != a) ? a : lo[j];
+                    hi[j] = (b > hi[j] || b != b) ? b : hi[j];
+                }
         }
-        mins[j] = lo;
-        maxs[j] = hi;
+        for (int64_t j = 0; j < q; ++j) {
+            float lo = part[j], hi = part[q + j];
+            for (int t = 1; t < threads; ++t) {
+                float a = part[(int64_t)t * 2 * q + j];
+                float b = part[(int64_t)t * 2 * q + q + j];
+                lo = (a < lo || a != a) ? a : lo;
+                hi = (b > hi || b != b) ? b : hi;
+            }
+            mins[j] = lo;
+            maxs[j] = hi;
+        }
+        free(part);
     }
-    free(part);
 }
+
+/* min and max per qparam; returns summarize's answer over them */
+int64_t qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float *mins,
+                  float *maxs, float *absmax, int threads) {
+    if (n == 1 && g == 16) {
+        minmax_rows16(x, q, mins, maxs, threads);
+    } else {
+        minmax_rows(x, n, q, g, mins, maxs, threads);
+    }
+    /* the outputs are still in cache: one more pass over them */
+    float glo = INFINITY, ghi = -INFINITY;
+    int gnan = 0;
+#pragma omp parallel for simd schedule(static) num_threads(threads) reduction(min : glo) \
+    reduction(max : ghi) reduction(| : gnan)
+    for (int64_t j = 0; j < q; ++j) {
+        glo = mins[j] < glo ? mins[j] : glo;
+        ghi = maxs[j] > ghi ? maxs[j] : ghi;
+        gnan |= (mins[j] != mins[j]) | (maxs[j] != maxs[j]);
+    }
+    return summarize(glo, ghi, gnan, absmax);
+}
+
 
 /* 1 where every value is finite (exponent field not all ones) */
 int64_t qo_all_finite(const float *x, int64_t n, int threads) {

@@ -27,6 +27,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +42,8 @@ __all__ = [
     "entropy",
     "histc",
     "histogram_pass",
+    "known_absmax",
+    "known_finite",
     "l2_errors",
     "minmax",
     "mse_errors",
@@ -132,8 +136,8 @@ def _library() -> ctypes.CDLL | None:
         except OSError as error:
             _LOG.info("quantobs: native kernels not loaded (%s)", error)
             continue
-        lib.qo_minmax.argtypes = [_P, _I, _I, _I, _P, _P, _INT]
-        lib.qo_minmax.restype = None
+        lib.qo_minmax.argtypes = [_P, _I, _I, _I, _P, _P, _P, _INT]
+        lib.qo_minmax.restype = _I
         lib.qo_mse_errors.argtypes = [_P, _I, _I, _I, _I, _P, _P, _F, _F]
         lib.qo_mse_errors.argtypes += [_INT, _INT, _INT, _F, _P, _INT]
         lib.qo_mse_errors.restype = None
@@ -185,8 +189,10 @@ def _usable(x: torch.Tensor) -> bool:
     )
 
 
-def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(N, Q, G)` float32 -> `(Q,)` min and max over N and G, or None.
+def minmax(
+    x3: torch.Tensor, shape: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(N, Q, G)` float32 -> `(Q,)` (or `shape`) min and max over N and G, or None.
 
     Equal to `torch.amin` / `torch.amax` over dims `(0, 2)` (NaN propagates).
     Groups shorter than 8 values stay with torch, which vectorizes across
@@ -197,16 +203,66 @@ def minmax(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     n, q, g = x3.shape
     mins = torch.empty(q, dtype=torch.float32)
     maxs = torch.empty(q, dtype=torch.float32)
-    _loaded().qo_minmax(
+    absmax = ctypes.c_float()
+    finite = _loaded().qo_minmax(
         x3.data_ptr(),
         n,
         q,
         g,
         mins.data_ptr(),
         maxs.data_ptr(),
+        ctypes.byref(absmax),
         torch.get_num_threads(),
     )
+    if shape is not None:
+        mins, maxs = mins.reshape(shape), maxs.reshape(shape)
+    if finite:
+        _remember(mins, maxs, absmax.value)
     return mins, maxs
+
+
+# What qo_minmax learned for free about the ranges it returned (every value
+# finite, the largest |value|), by id with weak references to the range
+# tensors (an entry leaves with its tensor), valid while neither is modified
+# in place (torch's version counters, shared by views).
+_Facts = tuple[
+    "weakref.ref[torch.Tensor]", int, "weakref.ref[torch.Tensor]", int, float
+]
+_FACTS: dict[int, _Facts] = {}
+
+
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _FACTS.pop(key, None)
+
+    return forget
+
+
+def _remember(mins: torch.Tensor, maxs: torch.Tensor, absmax: float) -> None:
+    for t, other in ((mins, maxs), (maxs, mins)):
+        key = id(t)
+        ref = weakref.ref(t, _forget(key))
+        _FACTS[key] = (ref, t._version, weakref.ref(other), other._version, absmax)
+
+
+def _facts(t: torch.Tensor) -> _Facts | None:
+    facts = _FACTS.get(id(t))
+    if facts is None or facts[0]() is not t or facts[1] != t._version:
+        return None
+    return facts
+
+
+def known_finite(t: torch.Tensor) -> bool:
+    """Whether `t` is a range `minmax` returned, unmodified, of finite values."""
+    return _facts(t) is not None
+
+
+def known_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None:
+    """`max(-min, max, 0)` of a range pair `minmax` returned unmodified, or None."""
+    facts = _facts(min_vals)
+    if facts is None or facts[2]() is not max_vals or facts[3] != max_vals._version:
+        return None
+    return facts[4]
 
 
 def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
@@ -215,6 +271,8 @@ def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
 
 def all_finite(x: torch.Tensor) -> bool | None:
     """Whether every value of a float32 tensor is finite, or None (not run)."""
+    if known_finite(x):
+        return True
     if not _usable(x):
         return None
     return bool(
@@ -263,6 +321,9 @@ def range_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None
 
     None where the kernels do not apply or a non-empty range is not finite.
     """
+    known = known_absmax(min_vals, max_vals)
+    if known is not None:
+        return known
     if not _ranges_usable(min_vals, max_vals):
         return None
     out = ctypes.c_float()

@@ -56,9 +56,10 @@ def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return min_vals.float().reshape(qshape), max_vals.float().reshape(qshape)
     n, g = x_flat.shape[0], x_flat.shape[-1]
     # contiguous only: a strided layout would be copied first (a second pass)
-    found = native.minmax(x_flat.reshape(n, -1, g)) if x_flat.is_contiguous() else None
+    x3 = x_flat.reshape(n, -1, g)
+    found = native.minmax(x3, tuple(qshape)) if x_flat.is_contiguous() else None
     if found is not None:  # one pass, however small the groups
-        return found[0].reshape(qshape), found[1].reshape(qshape)
+        return found
     min_vals = torch.amin(x_flat, dim=(0, -1)).to(torch.float32)
     max_vals = torch.amax(x_flat, dim=(0, -1)).to(torch.float32)
     return min_vals, max_vals
