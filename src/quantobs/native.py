@@ -201,8 +201,7 @@ def minmax(
     if x3.ndim != 3 or x3.shape[-1] < _MIN_GROUP or not _usable(x3):
         return None
     n, q, g = x3.shape
-    mins = torch.empty(q, dtype=torch.float32)
-    maxs = torch.empty(q, dtype=torch.float32)
+    mins, maxs = torch.empty(2, q, dtype=torch.float32)  # one allocation
     absmax = ctypes.c_float()
     finite = _loaded().qo_minmax(
         x3.data_ptr(),
