@@ -490,7 +490,7 @@ int64_t qo_histogram_pass(const float *x, int64_t len, float inv, float off,
         int64_t start = len * t / nt, stop = len * (t + 1) / nt, found = 0;
         int64_t stride = bins + 1; /* bin `bins`: the values for `side` */
         int64_t *ways = calloc((size_t)(WAYS * stride), sizeof(int64_t));
-        int64_t *trash = ways + bins, seen = 0; /* way 0's bin `bins` */
+        int64_t *trash = ways ? ways + bins : NULL, seen = 0; /* bin `bins` */
         float *mine = side + (int64_t)t * cap;
         int32_t index[BLOCK];
         for (int64_t b0 = start; b0 < stop && ways; b0 += BLOCK) {

@@ -64,6 +64,7 @@ _FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"]
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
 _LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
+_EXACT_QUOTIENT = 1 << 28  # torch_l2_terms: bins * dst_nbins below this
 _SERIAL_ELEMS = 1 << 14  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
@@ -487,6 +488,8 @@ def torch_l2_terms(
     if not _usable(histogram) or histogram.ndim != 2:
         return None
     count, bins = starts.numel(), histogram.shape[1]
+    if bins * dst_nbins >= _EXACT_QUOTIENT:  # the kernel's fmod needs q < 2**29
+        return None
     if histogram.shape[0] not in (1, count) or {ends.numel(), bin_width.numel()} != {
         count
     }:
