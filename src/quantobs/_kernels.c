@@ -713,10 +713,16 @@ int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64
                        const double *bin_width, int64_t dst_nbins, float *out,
                        int threads) {
     const float top = (float)(dst_nbins - 1);
+    int same_width = 1;
     for (int64_t p = 0; p < count; ++p) {
         double dst = bin_width[p] * (double)(ends[p] - starts[p] + 1) / (double)dst_nbins;
         if (dst != 0.0 && (float)dst == 0.0f) return 1;
+        same_width &= (float)bin_width[p] == (float)bin_width[0];
     }
+    /* one histogram, one bin width (torch's walk): the densities once */
+    float *dens = shared && same_width ? malloc((size_t)bins * sizeof(float)) : NULL;
+    if (dens)
+        for (int64_t j = 0; j < bins; ++j) dens[j] = hist[j] / (float)bin_width[0];
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; ++p) {
         const float *h = hist + (shared ? 0 : p * bins);
@@ -739,7 +745,7 @@ int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64
             db = db < 0.0f ? 0.0f : (db > top ? top : db);
             float de = div_floor(end, d);
             de = de < 0.0f ? 0.0f : (de > top ? top : de);
-            float density = h[j] / w;
+            float density = dens ? dens[j] : h[j] / w;
             float delta_begin = begin - (db + 0.5f) * d;
             float n = 0.0f + density * ((half3 - delta_begin * delta_begin * delta_begin) /
                                         3.0f);
@@ -749,6 +755,7 @@ int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64
             o[j] = n;
         }
     }
+    free(dens);
     return 0;
 }
 

@@ -110,7 +110,8 @@ def _check_histogram(histogram: torch.Tensor, dst_nbins: int) -> None:
             f"dst_nbins must be a positive int (2**bits of the quantized dtype), "
             f"got {dst_nbins!r}"
         )
-    if not bool(torch.isfinite(histogram).all()) or bool((histogram < 0).any()):
+    low, high = torch.aminmax(histogram)  # NaN propagates: fails both tests
+    if not (float(low) >= 0.0 and float(high) < math.inf):
         raise ValueError(
             "histogram must hold finite, non-negative counts (torch.ao's search "
             "assumes a non-decreasing cumulative sum)"
