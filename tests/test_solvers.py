@@ -589,3 +589,33 @@ def test_certify_covers_a_2048_bin_normal_histogram() -> None:
     certified, proven = _certify(prefix, rows, best, error, 256)
     assert bool(proven.all())
     assert torch.equal(certified, best)  # the search's result was the optimum
+
+
+@pytest.mark.parametrize("levels", [2, 16, 256])
+@pytest.mark.parametrize("kind", ["dense", "sparse", "spikes", "gauss-1e6"])
+def test_bound_survivors_native_equal_torch_and_keep_every_better_pair(
+    kind: str, levels: int
+) -> None:
+    if not native.available():
+        pytest.skip("compares the native survivors with the torch rectangle")
+    counts = _random_histogram(kind, 48, _gen(levels + 7)).reshape(1, -1).double()
+    prefix = _prefix_moments(counts)
+    bounds = _Bounds(prefix, counts, levels)
+    pairs = torch.triu_indices(49, 49, offset=1)
+    exact = _exact_units(prefix, counts, pairs[:1].double(), pairs[1:].double(), levels)
+    for quantile in (0.01, 0.2, 0.6):
+        limit = float(exact.quantile(quantile))
+        a_max, b_min = bounds.reach(torch.tensor([limit], dtype=torch.float64))
+        na, b0 = int(a_max[0]), int(b_min[0])
+        got = bounds.survivors(0, na, b0, limit, 1 << 12)
+        previous = native.set_enabled(False)
+        try:
+            expected = bounds.survivors(0, na, b0, limit, 1 << 12)
+        finally:
+            native.set_enabled(previous)
+        assert got is not None and expected is not None
+        assert torch.equal(got, expected)  # same pairs, same (a, b) order
+        kept = {(int(a), int(b) + b0) for a, b in got}
+        below = exact[0] < limit
+        assert {(int(a), int(b)) for a, b in pairs.T[below]} <= kept
+    assert bounds.survivors(0, 48, 1, math.inf, 10) is None  # over the cap

@@ -30,7 +30,8 @@
  * qo_entropy: KL divergences of entropy calibration's candidates.
  *
  * qo_l2_errors: exact L2 errors of candidate ranges over a histogram (the
- *   certificate of the global L2 search).
+ *   certificate of the global L2 search); qo_l2_survivors: the ranges whose
+ *   lower bound leaves them in the running.
  *
  * qo_mse_errors: for each candidate c and qparam q, the error
  *   sum_{n,g} |fake_quant(x[n,q,g]) - x[n,q,g]| ** norm, with fake_quant's
@@ -674,6 +675,72 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
         }
     }
     free(log_count);
+}
+
+/* The bin-edge ranges [a, b] (a < na, b0 <= b <= bins, b > a) whose lower
+ * bound on the L2 error (histogram_l2._Bounds, same formulas in float64) is
+ * below `limit`, as (a, b - b0) pairs in (a, b) order; at most `cap` (the
+ * return value is then cap + 1). at: (3, bins + 1) moments at each bin edge;
+ * start, total: the 3 moments at 0 and at bins; jumps: (bins + 1) total
+ * variation left of each bin. */
+int64_t qo_l2_survivors(const double *at, const double *start, const double *total,
+                        const double *jumps, int64_t bins, int64_t levels, int64_t na,
+                        int64_t b0, double limit, int64_t *out, int64_t cap,
+                        int threads) {
+    const int64_t stride = bins + 1;
+    const double half = (double)bins / 2;
+    int64_t *found = calloc((size_t)threads + 1, sizeof(int64_t));
+    int64_t *buffer = malloc((size_t)threads * (size_t)(cap + 1) * 2 * sizeof(int64_t));
+    if (!found || !buffer) {
+        free(found);
+        free(buffer);
+        return cap + 1; /* no memory: the caller keeps its heuristic result */
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t *mine = buffer + (int64_t)t * (cap + 1) * 2, count = 0;
+        for (int64_t a = na * t / nt; a < na * (t + 1) / nt && count <= cap; ++a) {
+            double below0 = at[a] - start[0], below1 = at[stride + a] - start[1];
+            double below2 = at[2 * stride + a] - start[2];
+            for (int64_t b = (b0 > a + 1 ? b0 : a + 1); b <= bins; ++b) {
+                double w = (double)(b - a) / (double)levels;
+                double first = ((double)a - half) + w / 2, last = ((double)b - half) - w / 2;
+                double above0 = total[0] - at[b], above1 = total[1] - at[stride + b];
+                double above2 = total[2] - at[2 * stride + b];
+                double clip = below2 - 2 * first * below1 + first * first * below0;
+                clip = clip + above2 - 2 * last * above1 + last * last * above0;
+                double mass = at[b] - at[a];
+                double jump = jumps[b - 1 > 0 ? b - 1 : 0] - jumps[a];
+                jump = jump > 0 ? jump : 0;
+                double periods = w >= 1 ? 0.0 : floor(1.0 / w);
+                double rest = w >= 1 ? 1.0 : 1.0 - periods * w;
+                double floor_ = mass * ((periods * (w * w * w) + rest * rest * rest) / 12);
+                double smooth = mass * (w * w) / 12 - 0.0642 * (w * w * w) * jump;
+                double bound = clip + (floor_ > smooth ? floor_ : smooth);
+                if (!(bound < limit)) continue;
+                if (count < cap + 1) mine[2 * count] = a, mine[2 * count + 1] = b - b0;
+                count += 1;
+                if (count > cap) break;
+            }
+        }
+        found[t + 1] = count;
+    }
+    int64_t total_found = 0;
+    for (int t = 1; t <= threads; ++t) {
+        int64_t count = found[t] < cap + 1 ? found[t] : cap + 1;
+        for (int64_t k = 0; k < count && total_found < cap + 1; ++k, ++total_found) {
+            const int64_t *pair = buffer + (int64_t)(t - 1) * (cap + 1) * 2 + 2 * k;
+            if (total_found < cap) out[2 * total_found] = pair[0], out[2 * total_found + 1] = pair[1];
+        }
+    }
+    free(found);
+    free(buffer);
+    return total_found;
 }
 
 /* fmod(a, b) for finite a and b > 0, exactly (as std::fmod): with |a| and b

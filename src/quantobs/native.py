@@ -45,6 +45,7 @@ __all__ = [
     "known_absmax",
     "known_finite",
     "l2_errors",
+    "l2_survivors",
     "minmax",
     "mse_errors",
     "mse_supported",
@@ -153,6 +154,9 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
         lib.qo_l2_errors.restype = None
+        lib.qo_l2_survivors.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        lib.qo_l2_survivors.argtypes += [ctypes.c_double, _P, _I, _INT]
+        lib.qo_l2_survivors.restype = _I
         lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
         lib.qo_all_finite.argtypes = [_P, _I, _INT]
@@ -544,6 +548,47 @@ def l2_errors(
         torch.get_num_threads(),
     )
     return out
+
+
+def l2_survivors(
+    at: torch.Tensor,
+    start: torch.Tensor,
+    total: torch.Tensor,
+    jumps: torch.Tensor,
+    levels: int,
+    na: int,
+    b0: int,
+    limit: float,
+    cap: int,
+) -> torch.Tensor | None:
+    """Bin-edge ranges left in the running by `histogram_l2._Bounds`.
+
+    For one histogram of `bins` bins: `at` `(3, bins + 1)` moments at each
+    edge, `start` and `total` `(3,)` the moments at 0 and at `bins`, `jumps`
+    `(bins + 1,)`. Returns the `(K, 2)` int64 pairs `(a, b - b0)`, `a < na`,
+    `b0 <= b <= bins`, `b > a`, whose bound is below `limit`, in `(a, b)`
+    order (as `nonzero` lists them); an empty `(0, 2)` tensor for none; None
+    where the kernels are not available or more than `cap` pairs remain.
+    """
+    if at.device.type != "cpu" or not available():
+        return None
+    bins = at.shape[-1] - 1
+    if at.shape != (3, bins + 1) or jumps.numel() != bins + 1 or start.numel() != 3:
+        raise ValueError("at must be (3, bins + 1), jumps (bins + 1,), start (3,)")
+    tables = [t.to(torch.float64).contiguous() for t in (at, start, total, jumps)]
+    out = torch.empty(cap, 2, dtype=torch.int64)
+    found = _loaded().qo_l2_survivors(
+        *(t.data_ptr() for t in tables),
+        bins,
+        levels,
+        na,
+        b0,
+        limit,
+        out.data_ptr(),
+        cap,
+        torch.get_num_threads(),
+    )
+    return None if found > cap else out[:found].clone()
 
 
 def entropy(

@@ -731,6 +731,29 @@ class _Bounds:
         b_min = self.bins + 1 - (self.high < error[:, None]).sum(dim=1)
         return a_max, b_min
 
+    def survivors(
+        self, q: int, na: int, b0: int, limit: float, cap: int
+    ) -> torch.Tensor | None:
+        """`(K, 2)` pairs `(a, b - b0)`, `a < na`, `b0 <= b <= bins`, `b > a`,
+        of qparam `q` whose bound is below `limit`, in `(a, b)` order; None
+        if more than `cap` (natively in one pass, else on the rectangle)."""
+        if self.at.device.type == "cpu" and native.available():
+            return native.l2_survivors(
+                self.at[:, q],
+                self.start[:, q, 0],
+                self.total[:, q, 0],
+                self.jumps[q],
+                self.levels,
+                na,
+                b0,
+                limit,
+                cap,
+            )
+        a = torch.arange(na, device=self.at.device)[:, None]
+        b = torch.arange(b0, self.bins + 1, device=self.at.device)[None, :]
+        pairs = ((b > a) & (self(q, a, b) < limit)).nonzero()
+        return None if pairs.shape[0] > cap else pairs
+
     def __call__(self, q: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Bounds of qparam `q` for starts `a` `(na, 1)` and ends `b` `(1, nb)`."""
         bins, at = self.bins, self.at
@@ -782,10 +805,9 @@ def _certify(
         na, nb = int(a_max[q]), bins + 1 - int(b_min[q])
         if na * nb > _PROOF_PAIRS:
             continue
-        a = torch.arange(na, device=counts.device)[:, None]
-        b = torch.arange(int(b_min[q]), bins + 1, device=counts.device)[None, :]
-        pairs = ((b > a) & (bounds(q, a, b) < limit[q])).nonzero()
-        if pairs.shape[0] > (_PROOF_EXACT_NATIVE if fast else _PROOF_EXACT):
+        cap = _PROOF_EXACT_NATIVE if fast else _PROOF_EXACT
+        pairs = bounds.survivors(q, na, int(b_min[q]), float(limit[q]), cap)
+        if pairs is None:
             continue
         proven[q] = True
         if pairs.shape[0] == 0:
