@@ -657,14 +657,13 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
                 int64_t upper = quot + (rem > 0);
                 double mass = cs[upper] - cs[lower], filled = nr[upper] - nr[lower];
                 lower = upper;
-                if (mass <= 0) { /* no mass: contributes 0 * log(tiny / n) = 0 */
-                    if (k == top) top_mass = mass, top_bins = filled;
-                    continue;
-                }
+                /* a level without mass adds 0 * (log 1 - log n) = 0 (no branch:
+                 * csum never decreases, so mass >= 0) */
                 double log_mass = mass < (double)masses ? log_count[(int64_t)mass]
                                                         : log(mass > tiny ? mass : tiny);
                 q_term += mass * (log_mass - log_count[(int64_t)filled]);
-                if (k == top) top_mass = mass, top_bins = filled;
+                top_mass = k == top ? mass : top_mass;
+                top_bins = k == top ? filled : top_bins;
             }
             double q_last = log(top_bins > 0 ? top_mass / top_bins : 1.0);
             q_term += tail > 0 ? tail * q_last : 0.0;
