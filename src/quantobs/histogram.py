@@ -39,6 +39,14 @@ value so small that `x * 2**-e` underflows to `-0.0` (`|x| < 2**(e - 149)`,
 possible only for bins wider than 2) is counted in the cell `[0, w)` instead
 of `[-w, 0)`, or in the last bin if the window ends at 0.
 
+One-pass updates. Because grids nest, a per-tensor batch can be counted on
+the grid it is expected to need before its range is known (`speculate`: the
+histogram's grid, or for the first batch the grid of a small sample's range)
+in the same pass that finds its min/max; the values outside that window are
+set aside, and once the range is known the counts are re-binned exactly and
+the set-aside values binned (`update_histogram(..., speculation=...)`). The
+result is the two-pass histogram, bit for bit.
+
 Counts are int64 (exact past 2**24 per bin, where `torch.histc` saturates).
 Memory is `bins * num_qparams` int64 counts; `check_budget` refuses more than
 `max_counts` (default 2**26, 512 MiB) with an error that suggests a coarser
