@@ -66,7 +66,7 @@ _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
 _LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
 _EXACT_QUOTIENT = 1 << 28  # torch_l2_terms: bins * dst_nbins below this
-_SERIAL_ELEMS = 1 << 14  # torch_l2_terms runs this much work on one thread
+_SERIAL_ELEMS = 1 << 13  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 
