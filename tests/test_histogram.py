@@ -526,3 +526,25 @@ def test_speculative_observer_handles_nonfinite_like_two_passes(
     slow = run()
     for name, value in slow._stats.items():
         assert torch.equal(fast._stats[name], value), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    scales=st.lists(st.floats(1e-6, 1e6), min_size=1, max_size=4),
+    shifts=st.lists(st.floats(-10.0, 10.0), min_size=4, max_size=4),
+    absolute=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_speculative_updates_equal_two_passes_property(
+    scales: list[float], shifts: list[float], absolute: bool, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    hist = plain = empty_histogram((1,), 512, absolute)
+    for scale, shift in zip(scales, shifts, strict=False):
+        x = (torch.randn(1, 1, 1 << 16, generator=gen) + shift) * scale
+        spec = speculate(hist, x)
+        batch_range = spec.batch_range if spec is not None else None
+        hist = update_histogram(hist, x, batch_range, speculation=spec)
+        plain = update_histogram(plain, x)
+    for name, value in plain.to_stats().items():
+        assert torch.equal(hist.to_stats()[name], value), name
