@@ -405,10 +405,11 @@ def histogram_pass(
 
     Returns:
         None where the kernels do not apply, else `(ends, counts, side)`:
-        `(2,)` min and max (NaN propagates), `(bins,)` int64 counts of the
-        values whose bin lies in `[0, bins)`, and the other values (outside
-        the window, NaN, or negative and below 2**-100 in magnitude), or
-        None if a thread found more than `cap` of them.
+        `(2,)` min and max of the non-NaN values, `(bins,)` int64 counts of
+        the values whose bin lies in `[0, bins)`, and the other values
+        (outside the window, NaN, or negative and below 2**-100 in
+        magnitude: a NaN input shows up here), or None if a thread found more
+        than `cap` of them.
     """
     if not _usable(x):
         return None
