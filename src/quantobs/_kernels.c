@@ -681,11 +681,11 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
  * below `limit`, as (a, b - b0) pairs in (a, b) order; at most `cap` (the
  * return value is then cap + 1). at: (3, bins + 1) moments at each bin edge;
  * start, total: the 3 moments at 0 and at bins; jumps: (bins + 1) total
- * variation left of each bin. */
+ * variation left of each bin, weighted by jump_weight. */
 int64_t qo_l2_survivors(const double *at, const double *start, const double *total,
-                        const double *jumps, int64_t bins, int64_t levels, int64_t na,
-                        int64_t b0, double limit, int64_t *out, int64_t cap,
-                        int threads) {
+                        const double *jumps, double jump_weight, int64_t bins,
+                        int64_t levels, int64_t na, int64_t b0, double limit,
+                        int64_t *out, int64_t cap, int threads) {
     const int64_t stride = bins + 1;
     const double half = (double)bins / 2;
     int64_t *found = calloc((size_t)threads + 1, sizeof(int64_t));
@@ -719,7 +719,7 @@ int64_t qo_l2_survivors(const double *at, const double *start, const double *tot
                 double periods = w >= 1 ? 0.0 : floor(1.0 / w);
                 double rest = w >= 1 ? 1.0 : 1.0 - periods * w;
                 double floor_ = mass * ((periods * (w * w * w) + rest * rest * rest) / 12);
-                double smooth = mass * (w * w) / 12 - 0.0642 * (w * w * w) * jump;
+                double smooth = mass * (w * w) / 12 - jump_weight * (w * w * w) * jump;
                 double bound = clip + (floor_ > smooth ? floor_ : smooth);
                 if (!(bound < limit)) continue;
                 if (count < cap + 1) mine[2 * count] = a, mine[2 * count + 1] = b - b0;

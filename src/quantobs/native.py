@@ -154,8 +154,8 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_histc.restype = None
         lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
         lib.qo_l2_errors.restype = None
-        lib.qo_l2_survivors.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
-        lib.qo_l2_survivors.argtypes += [ctypes.c_double, _P, _I, _INT]
+        lib.qo_l2_survivors.argtypes = [_P, _P, _P, _P, ctypes.c_double, _I, _I]
+        lib.qo_l2_survivors.argtypes += [_I, _I, ctypes.c_double, _P, _I, _INT]
         lib.qo_l2_survivors.restype = _I
         lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
@@ -556,6 +556,7 @@ def l2_survivors(
     start: torch.Tensor,
     total: torch.Tensor,
     jumps: torch.Tensor,
+    jump_weight: float,
     levels: int,
     na: int,
     b0: int,
@@ -566,10 +567,11 @@ def l2_survivors(
 
     For one histogram of `bins` bins: `at` `(3, bins + 1)` moments at each
     edge, `start` and `total` `(3,)` the moments at 0 and at `bins`, `jumps`
-    `(bins + 1,)`. Returns the `(K, 2)` int64 pairs `(a, b - b0)`, `a < na`,
-    `b0 <= b <= bins`, `b > a`, whose bound is below `limit`, in `(a, b)`
-    order (as `nonzero` lists them); an empty `(0, 2)` tensor for none; None
-    where the kernels are not available or more than `cap` pairs remain.
+    `(bins + 1,)` and their weight in the bound. Returns the `(K, 2)` int64
+    pairs `(a, b - b0)`, `a < na`, `b0 <= b <= bins`, `b > a`, whose bound
+    is below `limit`, in `(a, b)` order (as `nonzero` lists them); an empty
+    `(0, 2)` tensor for none; None where the kernels are not available or
+    more than `cap` pairs remain.
     """
     if at.device.type != "cpu" or not available():
         return None
@@ -580,6 +582,7 @@ def l2_survivors(
     out = torch.empty(cap, 2, dtype=torch.int64)
     found = _loaded().qo_l2_survivors(
         *(t.data_ptr() for t in tables),
+        jump_weight,
         bins,
         levels,
         na,

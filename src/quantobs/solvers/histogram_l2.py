@@ -689,8 +689,9 @@ _PROOF_EXACT = 1 << 14
 _PROOF_EXACT_NATIVE = 1 << 17  # with the native exact scorer (~2 ns a level)
 _PROOF_SLACK = 1e-9  # relative margin for float64 rounding in the bounds
 _PROOF_QPARAMS = 64  # certified one qparam at a time: per-tensor-like searches
-# int over a destination bin of |(x - c)**2 - D**2 / 12| dx, in units of D**3
-_FLAT_ERROR = 0.0642
+# max over x of |int_{c - D/2}^{x} ((t - c)**2 - D**2 / 12) dt|, in units of
+# D**3: 1 / (36 sqrt 3) = 0.0160375..., rounded up
+_JUMP_WEIGHT = 0.016038
 
 
 def _sawtooth_floor(width: torch.Tensor) -> torch.Tensor:
@@ -712,11 +713,14 @@ class _Bounds:
     which is at least the larger of
 
     * `mass(a, b) * sawtooth_floor(D)` (any density), and
-    * `mass(a, b) * D**2 / 12 - 0.0642 * D**3 * jumps(a, b)`: the first term
-      is exact for a density flat within each destination bin, and a density
-      that moves by at most its total variation `jumps` (the sum of
-      `|h[i + 1] - h[i]|` inside) changes it by at most the second (0.0642 =
-      `int |x**2 - 1/12|` over a unit bin).
+    * `mass(a, b) * D**2 / 12 - 0.016038 * D**3 * jumps(a, b)`: the first
+      term is exact for a density flat within each destination bin. With
+      `g(x) = (x - c)**2 - D**2 / 12` (zero integral over the destination bin
+      of center `c`) and `S` its running integral from the bin's left edge
+      (zero at both edges), a piecewise-constant density that jumps by
+      `d_p` at points `p` inside the bin adds `int g rho = -sum_p d_p S(p)`,
+      at most `max |S| = D**3 / (36 sqrt 3)` times the jumps' total
+      `jumps(a, b)` (the sum of `|h[i + 1] - h[i]|` inside) in magnitude.
 
     The clipping error is also at least `low(a) = int_{x<a} (x - a)**2` and
     `high(b)` likewise, which grow as the range shrinks: `a_max` / `b_min`
@@ -756,6 +760,7 @@ class _Bounds:
                 self.start[:, q, 0],
                 self.total[:, q, 0],
                 self.jumps[q],
+                _JUMP_WEIGHT,
                 self.levels,
                 na,
                 b0,
@@ -780,7 +785,7 @@ class _Bounds:
         mass = at[0, q, b] - at[0, q, a]
         jumps = (self.jumps[q, (b - 1).clamp(min=0)] - self.jumps[q, a]).clamp(min=0)
         floor = mass * _sawtooth_floor(width)
-        smooth = mass * width**2 / 12 - _FLAT_ERROR * width**3 * jumps
+        smooth = mass * width**2 / 12 - _JUMP_WEIGHT * width**3 * jumps
         return clip + torch.maximum(floor, smooth)
 
 
