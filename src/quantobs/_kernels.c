@@ -619,11 +619,11 @@ void qo_l2_errors(const double *table, int64_t bins, const double *lo,
 }
 
 /* KL divergence of every candidate clip bin i = cands[c] for each histogram
- * row q, from its prefix sums (quantobs.solvers.entropy._divergences, in
- * float64): csum (mass below j), nz (non-empty bins below j), plogp (sum of
- * h log h below j), all (Q, B + 1); h (Q, B). levels: quantized levels. */
-void qo_entropy(const double *h, const double *csum, const double *nz,
-                const double *plogp, int64_t q, int64_t bins, const int64_t *cands,
+ * row of h (Q, B), from the row's prefix sums (quantobs.solvers.entropy's
+ * _prefixes and _divergences, in float64): csum (mass below j), nz
+ * (non-empty bins below j), plogp (sum of h log h below j), each B + 1 long,
+ * made per row in a thread's own buffer. levels: quantized levels. */
+void qo_entropy(const double *h, int64_t q, int64_t bins, const int64_t *cands,
                 int64_t count, int64_t levels, int64_t masses, double *out,
                 int threads) {
     const double tiny = 1e-300;
@@ -634,10 +634,28 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
     double *log_count = malloc((size_t)size * sizeof(double));
     if (!log_count) return; /* the caller checks for NaN: see native.entropy */
     for (int64_t n = 0; n < size; ++n) log_count[n] = log(n > 1 ? (double)n : 1.0);
+    double *prefix = malloc((size_t)threads * 3 * (size_t)(bins + 1) * sizeof(double));
+    if (!prefix) {
+        free(log_count);
+        return;
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t r = 0; r < q; ++r) {
-        const double *hr = h + r * bins, *cs = csum + r * (bins + 1);
-        const double *nr = nz + r * (bins + 1), *pl = plogp + r * (bins + 1);
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        const double *hr = h + r * bins;
+        double *cs = prefix + (int64_t)t * 3 * (bins + 1), *nr = cs + bins + 1;
+        double *pl = nr + bins + 1;
+        cs[0] = nr[0] = pl[0] = 0.0;
+        for (int64_t j = 0; j < bins; ++j) { /* torch.cumsum's order */
+            double v = hr[j];
+            cs[j + 1] = cs[j] + v;
+            nr[j + 1] = nr[j] + (v > 0);
+            double log_v = v < (double)masses ? log_count[(int64_t)v] : log(v);
+            pl[j + 1] = pl[j] + (v == 0 ? 0.0 : v * log_v); /* xlogy(v, v) */
+        }
         double total = cs[bins];
         double safe_total = total > 0 ? total : 1.0;
         for (int64_t c = 0; c < count; ++c) {
@@ -674,6 +692,7 @@ void qo_entropy(const double *h, const double *csum, const double *nz,
         }
     }
     free(log_count);
+    free(prefix);
 }
 
 /* The bin-edge ranges [a, b] (a < na, b0 <= b <= bins, b > a) whose lower

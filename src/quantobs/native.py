@@ -157,7 +157,7 @@ def _library() -> ctypes.CDLL | None:
         lib.qo_l2_survivors.argtypes = [_P, _P, _P, _P, ctypes.c_double, _I, _I]
         lib.qo_l2_survivors.argtypes += [_I, _I, ctypes.c_double, _P, _I, _INT]
         lib.qo_l2_survivors.restype = _I
-        lib.qo_entropy.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _INT]
+        lib.qo_entropy.argtypes = [_P, _I, _I, _P, _I, _I, _I, _P, _INT]
         lib.qo_entropy.restype = None
         lib.qo_all_finite.argtypes = [_P, _I, _INT]
         lib.qo_all_finite.restype = _I
@@ -595,38 +595,28 @@ def l2_survivors(
     return None if found > cap else out[:found].clone()
 
 
-def entropy(
-    h: torch.Tensor,
-    csum: torch.Tensor,
-    nz: torch.Tensor,
-    plogp: torch.Tensor,
-    cands: torch.Tensor,
-    levels: int,
-) -> torch.Tensor | None:
+def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor | None:
     """KL divergence `(Q, C)` of clip bins `cands` for histograms `h` `(Q, B)`.
 
-    From the prefix sums of `solvers.entropy._divergences` (`csum`, `nz`,
-    `plogp`, each `(Q, B + 1)`), with its arithmetic in float64; None where
-    the kernels are not available.
+    `solvers.entropy._divergences` over its `_prefixes`, in float64 (each
+    row's prefix sums made in the kernel); None where the kernels are not
+    available.
     """
     if h.device.type != "cpu" or not available():
         return None
+    if h.ndim != 2:
+        raise ValueError(f"h must be (Q, B), got shape {tuple(h.shape)}")
     num_q, bins = h.shape
-    prefixes = [t.to(torch.float64).contiguous() for t in (h, csum, nz, plogp)]
-    for name, t in zip(("csum", "nz", "plogp"), prefixes[1:], strict=True):
-        if tuple(t.shape) != (num_q, bins + 1):
-            raise ValueError(
-                f"{name} must be ({num_q}, {bins + 1}), got {tuple(t.shape)}"
-            )
+    h = h.to(torch.float64).contiguous()
     cands = cands.to(torch.int64).contiguous()
     if cands.numel() and not (int(cands.min()) >= 1 and int(cands.max()) <= bins):
         raise ValueError(f"candidate bins must lie in [1, {bins}]")
     out = torch.full((num_q, cands.numel()), math.nan, dtype=torch.float64)
     # integer counts: the logs of level masses come from a table
-    total = float(prefixes[1][:, -1].max()) if num_q else 0.0
-    integral = total < _LOG_TABLE and bool((prefixes[0] == prefixes[0].floor()).all())
+    total = float(h.sum(dim=1).max()) if num_q else 0.0
+    integral = total < _LOG_TABLE and bool((h == h.floor()).all())
     _loaded().qo_entropy(
-        *(t.data_ptr() for t in prefixes),
+        h.data_ptr(),
         num_q,
         bins,
         cands.data_ptr(),

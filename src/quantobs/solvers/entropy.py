@@ -151,7 +151,7 @@ def entropy_search(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     qshape = tuple(counts.shape[:-1])
     bins = counts.shape[-1]
-    h = counts.reshape(-1, bins).to(torch.float64)
+    h = counts.reshape(-1, bins).to(torch.float64, copy=True)  # modified below
     num_q = h.shape[0]
     device = h.device
     levels = torch.as_tensor(num_quantized_bins, device=device).reshape(-1)
@@ -160,14 +160,14 @@ def entropy_search(
         raise ValueError(f"num_quantized_bins must be >= 1, got {num_quantized_bins}")
     width64 = width.reshape(-1).to(torch.float64)
 
-    nonzero = h > 0
-    index = torch.arange(1, bins + 1, device=device)
-    stop = torch.where(nonzero, index, 0).amax(dim=1)  # bins up to the largest value
+    # bins up to the largest value: one past the last non-empty bin (0: none)
+    nonzero = (h > 0).to(torch.uint8)
+    has_data = nonzero.amax(dim=1) > 0
+    stop = torch.where(has_data, bins - nonzero.flip(1).argmax(dim=1), 0)
     if amax is None:
         amax64 = stop.to(torch.float64) * width64
     else:
         amax64 = amax.reshape(-1).to(torch.float64)
-    h = h.clone()
     if bins > 1:
         h[:, 0] = h[:, 1]  # ModelOpt: exact zeros do not decide the range
     cands = torch.arange(min(start_bin, bins + 1), bins + 1, stride, device=device)
@@ -187,10 +187,10 @@ def entropy_search(
             if mine.numel() == 0:
                 continue
             sub = h[rows]
-            prefixes = _prefixes(sub)
             # natively every candidate at once, eagerly in bounded chunks
-            kl = native.entropy(sub, *prefixes, mine, int(count))
+            kl = native.entropy(sub, mine, int(count))
             if kl is None:
+                prefixes = _prefixes(sub)
                 kl = torch.cat(
                     [
                         _divergences(sub, prefixes, mine[c0 : c0 + c_step], int(count))
@@ -205,6 +205,5 @@ def entropy_search(
             found[rows] = torch.isfinite(least)
             best[rows] = mine[pick].to(torch.float64) * width64[rows]
     result = torch.where(found, torch.minimum(best, amax64), amax64)
-    has_data = nonzero.any(dim=1)
     result = torch.where(has_data, result, torch.zeros_like(result))
     return result.reshape(qshape)
