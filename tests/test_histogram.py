@@ -548,3 +548,20 @@ def test_speculative_updates_equal_two_passes_property(
         plain = update_histogram(plain, x)
     for name, value in plain.to_stats().items():
         assert torch.equal(hist.to_stats()[name], value), name
+
+
+def test_histogram_observer_pickles_after_a_refused_batch() -> None:
+    args = QuantizationArgs(num_bits=8, symmetric=False)
+    obs = Observer.load_from_registry("histogram", base_name="input", args=args)
+    x = torch.randn(64, 2048)
+    obs.update(x)
+    bad = x.clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        obs.update(bad)  # speculated, then refused by the NaN policy
+    buffer = io.BytesIO()
+    torch.save(obs, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for name, value in obs._stats.items():
+        assert torch.equal(loaded._stats[name], value)

@@ -666,3 +666,18 @@ def test_global_scale_is_recomputed_whenever_the_statistics_change() -> None:
     observer.reset()
     with pytest.raises(RuntimeError, match="no statistics"):
         observer.get_global_scale()
+
+
+def test_observer_pickles_after_its_global_scale_is_memoized() -> None:
+    args = QuantizationArgs(**_NVFP4)
+    observer = Observer.load_from_registry(
+        "static_minmax", base_name="weight", args=args
+    )
+    observer.update(torch.randn(64, 64))
+    expected = observer.get_global_scale()  # memoized (weak references inside)
+    buffer = io.BytesIO()
+    torch.save(observer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded.get_global_scale(), expected)
+    assert torch.equal(loaded.get_qparams()[0], observer.get_qparams()[0])

@@ -87,6 +87,11 @@ class _Memo:
             self._key = [(weakref.ref(t), t._version) for t in tensors]
         return value.clone()  # callers may modify what they get
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Weak references do not pickle (torch.save of an observer): a copy
+        # starts empty and recomputes on first use.
+        return {"_key": [], "_value": None}
+
 
 class Observer(torch.nn.Module, metaclass=ABCMeta):
     """Base observer: watches values and turns them into scale / zero point.

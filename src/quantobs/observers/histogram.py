@@ -188,6 +188,17 @@ class HistogramStatObserver(Observer):
             return self._speculation.batch_range
         return minmax(x_flat)
 
+    def _fold(
+        self,
+        batch_range: Range,
+        x_flat: torch.Tensor | None,
+        observed: torch.Tensor,
+    ) -> None:
+        try:
+            super()._fold(batch_range, x_flat, observed)
+        finally:  # a batch refused (NaN policy) leaves no speculation behind
+            self._speculation = None
+
     def _new(self, qshape: tuple[int, ...], device: torch.device) -> Histogram:
         check_budget(
             math.prod(qshape),
