@@ -517,7 +517,8 @@ int64_t qo_histogram_pass(const float *x, int64_t len, float inv, float off,
                 ways[3 * stride + index[i + 3]] += 1;
             }
             for (; i < m; ++i) ways[index[i]] += 1;
-            int64_t aside = trash[0] + trash[stride] + trash[2 * stride] + trash[3 * stride];
+            int64_t aside = trash[0] + trash[stride] + trash[2 * stride];
+            aside += trash[3 * stride];
             if (aside == seen) continue;
             seen = aside;
             for (i = 0; i < m && found <= cap; ++i)
@@ -727,7 +728,8 @@ int64_t qo_l2_survivors(const double *at, const double *start, const double *tot
             double below2 = at[2 * stride + a] - start[2];
             for (int64_t b = (b0 > a + 1 ? b0 : a + 1); b <= bins; ++b) {
                 double w = (double)(b - a) / (double)levels;
-                double first = ((double)a - half) + w / 2, last = ((double)b - half) - w / 2;
+                double first = ((double)a - half) + w / 2;
+                double last = ((double)b - half) - w / 2;
                 double above0 = total[0] - at[b], above1 = total[1] - at[stride + b];
                 double above2 = total[2] - at[2 * stride + b];
                 double clip = below2 - 2 * first * below1 + first * first * below0;
@@ -737,7 +739,8 @@ int64_t qo_l2_survivors(const double *at, const double *start, const double *tot
                 jump = jump > 0 ? jump : 0;
                 double periods = w >= 1 ? 0.0 : floor(1.0 / w);
                 double rest = w >= 1 ? 1.0 : 1.0 - periods * w;
-                double floor_ = mass * ((periods * (w * w * w) + rest * rest * rest) / 12);
+                double saw = (periods * (w * w * w) + rest * rest * rest) / 12;
+                double floor_ = mass * saw;
                 double smooth = mass * (w * w) / 12 - jump_weight * (w * w * w) * jump;
                 double bound = clip + (floor_ > smooth ? floor_ : smooth);
                 if (!(bound < limit)) continue;
@@ -753,7 +756,10 @@ int64_t qo_l2_survivors(const double *at, const double *start, const double *tot
         int64_t count = found[t] < cap + 1 ? found[t] : cap + 1;
         for (int64_t k = 0; k < count && total_found < cap + 1; ++k, ++total_found) {
             const int64_t *pair = buffer + (int64_t)(t - 1) * (cap + 1) * 2 + 2 * k;
-            if (total_found < cap) out[2 * total_found] = pair[0], out[2 * total_found + 1] = pair[1];
+            if (total_found < cap) {
+                out[2 * total_found] = pair[0];
+                out[2 * total_found + 1] = pair[1];
+            }
         }
     }
     free(found);
@@ -793,10 +799,10 @@ ALWAYS_INLINE float div_floor(float a, float b) {
  * The caller sums each row with torch, as torch does. Returns 1, computing
  * nothing, if some dst > 0 rounds to a float32 zero (torch then divides by
  * zero: left to the eager twin). */
-int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared, int64_t count,
-                       const int64_t *starts, const int64_t *ends,
-                       const double *bin_width, int64_t dst_nbins, float *out,
-                       int threads) {
+int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared,
+                          int64_t count, const int64_t *starts, const int64_t *ends,
+                          const double *bin_width, int64_t dst_nbins, float *out,
+                          int threads) {
     const float top = (float)(dst_nbins - 1);
     int same_width = 1;
     for (int64_t p = 0; p < count; ++p) {
