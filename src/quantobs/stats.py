@@ -56,8 +56,11 @@ def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return min_vals.float().reshape(qshape), max_vals.float().reshape(qshape)
     n, g = x_flat.shape[0], x_flat.shape[-1]
     # contiguous only: a strided layout would be copied first (a second pass)
-    x3 = x_flat.reshape(n, -1, g)
-    found = native.minmax(x3, tuple(qshape)) if x_flat.is_contiguous() else None
+    found = (
+        native.minmax(x_flat.reshape(n, -1, g), tuple(qshape))
+        if x_flat.is_contiguous()
+        else None
+    )
     if found is not None:  # one pass, however small the groups
         return found
     min_vals = torch.amin(x_flat, dim=(0, -1)).to(torch.float32)
