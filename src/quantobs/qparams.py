@@ -257,13 +257,19 @@ def calculate_qparams(
     scale = scale.to(out_dtype)
     eps = _zero_scale_replacement(args.scale_dtype or out_dtype)
     scale = scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
+    return _with_zero_point(scale, zero_point, args)
 
+
+def _with_zero_point(
+    scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(scale, zero_point)` as returned: the zero point rounded to
+    `zp_dtype` (zeros where None), 0-d results as shape `(1,)`."""
     zp_dtype = args.zp_dtype or torch.int8
     if zero_point is None:
         zero_point = torch.zeros(scale.shape, dtype=zp_dtype, device=scale.device)
     else:
         zero_point = _round_to_dtype(zero_point, zp_dtype).to(zp_dtype)
-
     if scale.ndim == 0:
         scale, zero_point = scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point
@@ -297,13 +303,7 @@ def _native_symmetric(
         _zero_scale_replacement(scale_dtype),
         empty_as_zero,
     )
-    if scale is None:
-        return None
-    zp_dtype = args.zp_dtype or torch.int8
-    zero_point = torch.zeros(scale.shape, dtype=zp_dtype, device=scale.device)
-    if scale.ndim == 0:
-        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
-    return scale, zero_point
+    return None if scale is None else _with_zero_point(scale, None, args)
 
 
 def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
