@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-import quantobs.quark as ours
+import quantobs.faces.quark as ours
 from timing import best_ms
 
 

@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch.ao.quantization import observer as tob
 
-import quantobs.torch_ao as ours
+import quantobs.faces.torch_ao as ours
 from timing import best_ms
 
 

@@ -4,18 +4,17 @@ The core math: number formats, quantization args and presets, the canonical
 calibration layout, range-to-qparams conversion, and (fake) quantization.
 """
 
-from quantobs.args import (
+from quantobs.core.args import (
     ActivationOrdering,
     DynamicType,
     QuantizationArgs,
     QuantizationStrategy,
     QuantizationType,
 )
-from quantobs.formats import FORMATS, NumberFormat, get_format
-from quantobs.layout import BASE_NAMES, flatten_for_calibration, qparam_shape
-from quantobs.observers import Observer
-from quantobs.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
-from quantobs.qparams import (
+from quantobs.core.formats import FORMATS, NumberFormat, get_format
+from quantobs.core.layout import BASE_NAMES, flatten_for_calibration, qparam_shape
+from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
+from quantobs.core.qparams import (
     amax_to_global_scale,
     calculate_qparams,
     calculate_range,
@@ -23,7 +22,8 @@ from quantobs.qparams import (
     scale_to_storage,
     storage_to_scale,
 )
-from quantobs.quantize import dequantize, fake_quantize, quantize
+from quantobs.core.quantize import dequantize, fake_quantize, quantize
+from quantobs.observers import Observer
 
 __version__ = "0.1.0"
 

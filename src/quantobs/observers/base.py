@@ -22,15 +22,15 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from quantobs.args import QuantizationArgs
-from quantobs.layout import (
+from quantobs.core.args import QuantizationArgs
+from quantobs.core.layout import (
     check_supported,
     flatten_for_calibration,
     num_observations_of,
 )
-from quantobs.qparams import all_finite, amax_to_global_scale, calculate_qparams
-from quantobs.registry import Registry, validate_options
-from quantobs.stats import (
+from quantobs.core.qparams import all_finite, amax_to_global_scale, calculate_qparams
+from quantobs.core.registry import Registry, validate_options
+from quantobs.stats.reduce import (
     NanPolicy,
     Range,
     absmax_or_zero,

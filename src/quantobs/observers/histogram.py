@@ -1,6 +1,6 @@
 """Histogram observers: exact per-qparam histograms + a range solver.
 
-Every observer here keeps one `quantobs.histogram.Histogram` per qparam (any
+Every observer here keeps one `quantobs.stats.histogram.Histogram` per qparam (any
 strategy the layout supports: tensor, channel, group, block, token,
 tensor_group, attention head), accumulating over batches; statistics merge
 exactly (whatever the ranges) and travel in `state_dict`. The solver runs
@@ -44,7 +44,16 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from quantobs.histogram import (
+from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.solvers.entropy import entropy_search
+from quantobs.solvers.histogram_l2 import (
+    l2_search,
+    torch_l2_search,
+    torch_l2_search_batched,
+)
+from quantobs.solvers.histogram_mse import histogram_mse_search
+from quantobs.solvers.percentile import percentile_range
+from quantobs.stats.histogram import (
     DEFAULT_BINS,
     DEFAULT_MAX_COUNTS,
     MIN_BINS,
@@ -56,16 +65,7 @@ from quantobs.histogram import (
     speculate,
     update_histogram,
 )
-from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.solvers.entropy import entropy_search
-from quantobs.solvers.histogram_l2 import (
-    l2_search,
-    torch_l2_search,
-    torch_l2_search_batched,
-)
-from quantobs.solvers.histogram_mse import histogram_mse_search
-from quantobs.solvers.percentile import percentile_range
-from quantobs.stats import Range, minmax
+from quantobs.stats.reduce import Range, minmax
 
 __all__ = [
     "EntropyObserver",

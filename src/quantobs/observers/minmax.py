@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.stats import Range, lerp_ranges, merge_minmax
+from quantobs.stats.reduce import Range, lerp_ranges, merge_minmax
 
 __all__ = [
     "MemorylessMinMaxObserver",

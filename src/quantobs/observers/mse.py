@@ -22,16 +22,16 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from quantobs.mse import (
+from quantobs.core.qparams import generate_gparam
+from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.solvers.mse import (
     DEFAULT_CHUNK_ELEMS,
     candidate_errors,
     mse_search,
     search_args,
     shrink_factors,
 )
-from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.qparams import generate_gparam
-from quantobs.stats import Range, lerp_ranges, range_or_zero
+from quantobs.stats.reduce import Range, lerp_ranges, range_or_zero
 
 __all__ = [
     "MSEOptions",

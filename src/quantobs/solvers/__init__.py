@@ -1,7 +1,7 @@
 """Solvers: pure functions from a statistic to a `(min_vals, max_vals)` range.
 
 Each solver family has its own module; all of them take histograms in the
-layout of `quantobs.histogram` (`(*qparam_shape, bins)` counts over uniform
+layout of `quantobs.stats.histogram` (`(*qparam_shape, bins)` counts over uniform
 bins) and return one range per qparam, with no Python loop over qparams.
 
 =================  ============================================================

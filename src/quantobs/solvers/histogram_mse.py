@@ -6,7 +6,7 @@ The expectation is over the histogram with each bin's values at its center
 rounding (int half-to-even, FP8, FP4, MX power-of-two scales) and the scale
 and zero point `calculate_qparams` gives for the candidate range; NVFP4
 candidates use unrounded group scales and no global scale, as the raw-data
-MSE search does (`quantobs.mse.search_args`). A histogram of |x| scores the
+MSE search does (`quantobs.solvers.mse.search_args`). A histogram of |x| scores the
 positive values only.
 
 Candidates shrink the observed range, `(p * min, p * max)` for
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from quantobs.args import QuantizationArgs
-from quantobs.mse import error_power, search_args, shrink_factors
-from quantobs.qparams import calculate_qparams
+from quantobs.core.args import QuantizationArgs
+from quantobs.core.qparams import calculate_qparams
+from quantobs.solvers.mse import error_power, search_args, shrink_factors
 
 __all__ = ["histogram_mse_search"]
 

@@ -1,0 +1,474 @@
+"""`quantobs weights`: min-max weight quantization error of a checkpoint.
+
+For every linear weight of a `.safetensors` checkpoint: min-max qparams under
+a preset scheme's weight args, fake quantization, and the error it makes
+(SQNR in dB, max abs error). Pure functions; the CLI only parses arguments
+and prints.
+
+Which tensors are linear weights (`is_linear_weight`): a name ending in
+`.weight`, exactly 2 dims, a floating dtype, and a name that contains neither
+`embed` nor `norm` (case-insensitive; so embeddings, `embed_tokens`,
+`LayerNorm`, `input_layernorm`, `norm`... are left out). 1-D biases and norms,
+4-D convolutions and 3-D stacked experts are not linear weights. `lm_head` is
+a linear weight and is kept.
+
+Tensors are read one at a time (`safetensors.safe_open`), selected from their
+header, and the math is done in float32 whatever the stored dtype.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import quantobs
+from quantobs.core.args import QuantizationArgs
+
+__all__ = [
+    "CSV_COLUMNS",
+    "EXCLUDED_NAME_PARTS",
+    "TABLE_COLUMNS",
+    "LayerReport",
+    "WeightsReport",
+    "find_safetensors",
+    "format_csv",
+    "format_json",
+    "format_table",
+    "is_linear_weight",
+    "iter_linear_weights",
+    "max_abs_error",
+    "minmax_fake_quantize",
+    "report_layer",
+    "sqnr_db",
+    "summary_line",
+    "table_rows",
+    "weights_report",
+]
+
+# Lower-case name parts that mark a 2-D `.weight` as not a linear layer.
+EXCLUDED_NAME_PARTS: tuple[str, ...] = ("embed", "norm")
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One weight: its quantization error, or why it was skipped.
+
+    Attributes:
+        name: tensor name in the checkpoint.
+        shape: weight shape `(rows, cols)`.
+        dtype: stored dtype, e.g. `torch.float32`.
+        scale_shape: shape of the scale (the qparam shape); None if skipped.
+        sqnr_db: `10 log10(sum w^2 / sum (w - w_q)^2)`; `inf` when exact.
+        max_abs_error: `max |w - w_q|`.
+        skipped: the reason the scheme could not quantize it, else None.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scale_shape: tuple[int, ...] | None = None
+    sqnr_db: float | None = None
+    max_abs_error: float | None = None
+    skipped: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    """All linear weights of a checkpoint under one scheme.
+
+    Attributes:
+        model: the checkpoint path(s) read.
+        scheme: the preset name.
+        args: the weight args, as a JSON-able dict.
+        layers: one report per linear weight, in checkpoint order.
+        elapsed_s: wall time of loading and quantizing, in seconds.
+    """
+
+    model: str
+    scheme: str
+    args: dict[str, object]
+    layers: list[LayerReport] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def quantized(self) -> list[LayerReport]:
+        return [layer for layer in self.layers if layer.skipped is None]
+
+    @property
+    def skipped(self) -> list[LayerReport]:
+        return [layer for layer in self.layers if layer.skipped is not None]
+
+    def summary(self) -> dict[str, float | int]:
+        """Counts and SQNR statistics over the quantized layers.
+
+        `mean_sqnr_db` averages the layers whose SQNR is finite (an exact
+        layer would make any mean `inf`); it is `inf` when all are exact and
+        `nan` when no layer was quantized.
+        """
+        sqnrs = [layer.sqnr_db for layer in self.quantized if layer.sqnr_db is not None]
+        finite = [value for value in sqnrs if math.isfinite(value)]
+        if finite:
+            mean_sqnr = sum(finite) / len(finite)
+        else:
+            mean_sqnr = math.inf if sqnrs else math.nan
+        return {
+            "layers": len(self.quantized),
+            "skipped": len(self.skipped),
+            "params": sum(layer.numel for layer in self.quantized),
+            "mean_sqnr_db": mean_sqnr,
+            "min_sqnr_db": min(sqnrs) if sqnrs else math.nan,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+# ---------------------------------------------------------------- selection
+
+
+def is_linear_weight(name: str, shape: Sequence[int], is_floating: bool) -> bool:
+    """Whether a checkpoint tensor is a linear layer's weight (module docstring).
+
+    Args:
+        name: tensor name, e.g. `encoder.layer.0.attention.self.query.weight`.
+        shape: tensor shape.
+        is_floating: whether the stored dtype is a floating-point one.
+    """
+    if not name.endswith(".weight") or len(shape) != 2 or not is_floating:
+        return False
+    lowered = name.lower()
+    return not any(part in lowered for part in EXCLUDED_NAME_PARTS)
+
+
+def _natural_key(text: str) -> list[int | str]:
+    # "layer.10" after "layer.2", and "model-00002-of-00010" after "00001".
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def find_safetensors(path: Path) -> list[Path]:
+    """The `.safetensors` files of a checkpoint: a file, or those in a directory.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the directory has no
+            `.safetensors` file (subdirectories are not searched).
+        ValueError: a file that is not a `.safetensors` file.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"), key=lambda p: _natural_key(p.name))
+        if not files:
+            raise FileNotFoundError(
+                f"no .safetensors file in directory {str(path)!r}; pass a "
+                f".safetensors file or a directory that holds one"
+            )
+        return files
+    if path.suffix != ".safetensors":
+        raise ValueError(
+            f"model path {str(path)!r} is not a .safetensors file; pass a "
+            f".safetensors file or a directory that holds one"
+        )
+    return [path]
+
+
+def _is_floating_dtype(safetensors_dtype: str) -> bool:
+    # Header dtypes: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 F8_E8M0 F6_* F4 | I* U* BOOL C64
+    return safetensors_dtype.startswith(("F", "BF"))
+
+
+def iter_linear_weights(
+    files: Sequence[Path], limit: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for the linear weights, reading one at a time.
+
+    Args:
+        files: `.safetensors` files, read in order; names in each in natural
+            order (`layer.2` before `layer.10`).
+        limit: stop after this many linear weights (None: all).
+    """
+    try:
+        from safetensors import safe_open
+    except ImportError as error:  # safetensors comes with the `cli` extra
+        raise ImportError(
+            "reading checkpoints needs safetensors: pip install 'quantobs[cli]'"
+        ) from error
+    count = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in sorted(handle.keys(), key=_natural_key):
+                if limit is not None and count >= limit:
+                    return
+                header = handle.get_slice(name)
+                if not is_linear_weight(
+                    name, header.get_shape(), _is_floating_dtype(header.get_dtype())
+                ):
+                    continue
+                count += 1
+                yield name, handle.get_tensor(name)
+
+
+# ---------------------------------------------------------------- math
+
+
+def minmax_fake_quantize(
+    w: torch.Tensor, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max qparams of a weight under `args`, and its fake quantization.
+
+    Args:
+        w: `(rows, cols)` weight, any floating dtype; computed in float32.
+        args: weight quantization args.
+
+    Returns:
+        `(w_q, scale)`: the float32 fake-quantized weight `(rows, cols)` and
+        the scale `(*qparam_shape,)`.
+
+    Raises:
+        ValueError: the weight's shape does not fit `args` (e.g. a group size
+            that does not divide the columns).
+    """
+    w = w.to(torch.float32)
+    x_flat = quantobs.flatten_for_calibration(w, "weight", args)
+    # x_flat: (1, *qparam_shape, group_size) -> ranges (*qparam_shape,)
+    min_vals = x_flat.amin(dim=(0, -1))
+    max_vals = x_flat.amax(dim=(0, -1))
+    global_scale = None
+    if args.strategy == "tensor_group":
+        global_scale = quantobs.generate_gparam(
+            min_vals.min().reshape(1), max_vals.max().reshape(1)
+        )
+    scale, zero_point = quantobs.calculate_qparams(
+        min_vals, max_vals, args, global_scale=global_scale
+    )
+    w_q = quantobs.fake_quantize(w, scale, zero_point, args, global_scale=global_scale)
+    return w_q, scale
+
+
+def sqnr_db(x: torch.Tensor, x_q: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio `10 log10(sum x^2 / sum (x - x_q)^2)`.
+
+    Sums in float64. `inf` when `x_q == x` exactly (including all zeros);
+    `-inf` when `x` is all zeros but `x_q` is not.
+    """
+    x = x.to(torch.float32)
+    signal = torch.sum(x.square(), dtype=torch.float64).item()
+    noise = torch.sum((x - x_q.to(torch.float32)).square(), dtype=torch.float64).item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def max_abs_error(x: torch.Tensor, x_q: torch.Tensor) -> float:
+    """`max |x - x_q|` in float32 (0.0 for empty tensors)."""
+    if x.numel() == 0:
+        return 0.0
+    return (x.to(torch.float32) - x_q.to(torch.float32)).abs().max().item()
+
+
+def report_layer(name: str, w: torch.Tensor, args: QuantizationArgs) -> LayerReport:
+    """Quantize one weight; a shape the scheme cannot take is reported skipped."""
+    shape, dtype = tuple(w.shape), str(w.dtype)
+    try:
+        w_q, scale = minmax_fake_quantize(w, args)
+    except ValueError as error:
+        return LayerReport(name=name, shape=shape, dtype=dtype, skipped=str(error))
+    return LayerReport(
+        name=name,
+        shape=shape,
+        dtype=dtype,
+        scale_shape=tuple(scale.shape),
+        sqnr_db=sqnr_db(w, w_q),
+        max_abs_error=max_abs_error(w, w_q),
+    )
+
+
+def weights_report(
+    model: str | Path | Sequence[Path], scheme: str = "W4A16", limit: int | None = None
+) -> WeightsReport:
+    """Min-max fake-quantization error of every linear weight of a checkpoint.
+
+    Args:
+        model: a `.safetensors` file, a directory holding some, or a list of
+            files.
+        scheme: preset name (`quantobs.PRESET_SCHEMES`); its weight args are
+            used.
+        limit: only the first `limit` linear weights (None: all).
+
+    Raises:
+        KeyError: unknown scheme (the message lists the presets).
+        ValueError: a scheme that does not quantize weights, a bad limit, or
+            a path that is not a `.safetensors` file.
+        FileNotFoundError: the model path does not exist or holds no file.
+    """
+    start = time.perf_counter()
+    weight_args = quantobs.preset_scheme(scheme).weights
+    if weight_args is None:
+        choices = [name for name in quantobs.PRESET_SCHEMES if name != "UNQUANTIZED"]
+        raise ValueError(
+            f"scheme {scheme!r} does not quantize weights; pick one of "
+            f"{', '.join(choices)}"
+        )
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of layers, got {limit}")
+    if isinstance(model, (str, Path)):
+        files = find_safetensors(Path(model))
+    else:
+        files = [Path(path) for path in model]
+    layers = [
+        report_layer(name, w, weight_args)
+        for name, w in iter_linear_weights(files, limit)
+    ]
+    return WeightsReport(
+        model=", ".join(str(path) for path in files),
+        scheme=scheme.strip().upper(),
+        args=weight_args.model_dump(mode="json", exclude_none=True),
+        layers=layers,
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else "x".join(str(size) for size in shape)
+
+
+def _float_text(value: float | None, digits: int) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}f}" if digits >= 0 else f"{value:.3e}"
+
+
+def summary_line(report: WeightsReport) -> str:
+    """One line: layers, skipped, params, mean and min SQNR, elapsed seconds."""
+    summary = report.summary()
+    skipped = f", {summary['skipped']} skipped" if summary["skipped"] else ""
+    return (
+        f"{summary['layers']} layers{skipped}, {summary['params']:,} params, "
+        f"SQNR mean {_float_text(summary['mean_sqnr_db'], 2)} dB, "
+        f"min {_float_text(summary['min_sqnr_db'], 2)} dB, "
+        f"{summary['elapsed_s']:.2f} s"
+    )
+
+
+TABLE_COLUMNS: tuple[str, ...] = ("layer", "shape", "scale", "SQNR dB", "max |err|")
+
+
+def table_rows(report: WeightsReport) -> list[tuple[str, ...]]:
+    """The table's cells, one tuple per layer (`TABLE_COLUMNS`)."""
+    rows: list[tuple[str, ...]] = []
+    for layer in report.layers:
+        if layer.skipped is not None:
+            rows.append(
+                (layer.name, _shape_text(layer.shape), "-", "skipped", layer.skipped)
+            )
+        else:
+            rows.append(
+                (
+                    layer.name,
+                    _shape_text(layer.shape),
+                    _shape_text(layer.scale_shape),
+                    _float_text(layer.sqnr_db, 2),
+                    _float_text(layer.max_abs_error, -1),
+                )
+            )
+    return rows
+
+
+def format_table(report: WeightsReport) -> str:
+    """Plain aligned text: a header, one row per layer, a summary line."""
+    rows = [TABLE_COLUMNS, *table_rows(report)]
+    # Left-align text columns, right-align numbers; the skip reason (last
+    # cell of a skipped row) is free text and is not padded.
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS) - 1)]
+    lines = [f"model  {report.model}", f"scheme {report.scheme} (weights)", ""]
+    for row in rows:
+        cells = [
+            row[0].ljust(widths[0]),
+            row[1].rjust(widths[1]),
+            row[2].rjust(widths[2]),
+            row[3].rjust(widths[3]),
+            row[4],
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines += ["", summary_line(report)]
+    return "\n".join(lines) + "\n"
+
+
+def _json_float(value: float | int | None) -> float | int | str | None:
+    # JSON has no inf/nan: written as the strings "inf", "-inf", "nan".
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def format_json(report: WeightsReport) -> str:
+    """The report as a JSON document (non-finite numbers as strings)."""
+    document = {
+        "model": report.model,
+        "scheme": report.scheme,
+        "weight_args": report.args,
+        "layers": [
+            {
+                "name": layer.name,
+                "shape": list(layer.shape),
+                "dtype": layer.dtype,
+                "scale_shape": None
+                if layer.scale_shape is None
+                else list(layer.scale_shape),
+                "sqnr_db": _json_float(layer.sqnr_db),
+                "max_abs_error": _json_float(layer.max_abs_error),
+                "skipped": layer.skipped,
+            }
+            for layer in report.layers
+        ],
+        "summary": {key: _json_float(value) for key, value in report.summary().items()},
+    }
+    return json.dumps(document, indent=2, allow_nan=False) + "\n"
+
+
+CSV_COLUMNS: tuple[str, ...] = (
+    "name",
+    "shape",
+    "dtype",
+    "scale_shape",
+    "sqnr_db",
+    "max_abs_error",
+    "skipped",
+)
+
+
+def format_csv(report: WeightsReport) -> str:
+    """One CSV row per layer (`CSV_COLUMNS`); shapes as `rowsxcols`."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for layer in report.layers:
+        writer.writerow(
+            (
+                layer.name,
+                _shape_text(layer.shape),
+                layer.dtype,
+                "" if layer.scale_shape is None else _shape_text(layer.scale_shape),
+                "" if layer.sqnr_db is None else repr(layer.sqnr_db),
+                "" if layer.max_abs_error is None else repr(layer.max_abs_error),
+                layer.skipped or "",
+            )
+        )
+    return buffer.getvalue()

@@ -1,0 +1,423 @@
+"""Ranges to quantization parameters: the one place a range becomes a scale.
+
+`calculate_qparams` and `generate_gparam` give compressed-tensors' numbers
+(0.19) on every preset, with these deliberate differences, each to avoid a
+non-finite or out-of-range result:
+
+* Non-finite ranges raise `ValueError` (compressed-tensors returns NaN scales).
+* An asymmetric all-zero range gets the zero point `qmin` (compressed-tensors
+  computes `0 / 0` and casts the NaN to an integer).
+* An asymmetric range wider than the float32 maximum gets a finite scale
+  (compressed-tensors overflows `max - min` to `inf`).
+* An MX amax near the float32 maximum gets the scale `2**(128 - emax)`
+  (compressed-tensors rounds it to `inf` in float32 bits and returns an
+  infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
+
+Power-of-two exponents, for MX scales and optional power-of-two int scales::
+
+    mode    exponent of amax = m * 2**e, 1 <= m < 2
+    even    e + 1 if m >= 1.75 else e   (OCP MX reference; compressed-tensors)
+    floor   e
+    ceil    e if m == 1 else e + 1
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from quantobs import native
+from quantobs.core.args import QuantizationArgs
+from quantobs.core.formats import NumberFormat, get_format
+
+__all__ = [
+    "Pow2Rounding",
+    "all_finite",
+    "amax_to_global_scale",
+    "calculate_qparams",
+    "calculate_range",
+    "check_global_scale",
+    "generate_gparam",
+    "pow2_exponent",
+    "range_or_zero",
+    "scale_to_storage",
+    "storage_to_scale",
+]
+
+Pow2Rounding = Literal["even", "floor", "ceil"]
+
+_E8M0_MAX_EXPONENT = 254  # biased; 255 is NaN in float8_e8m0fnu
+_E8M0_BIAS = 127
+
+
+def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
+    """`(qmin, qmax)` of the quantized values, e.g. `(-8.0, 7.0)` for int4."""
+    fmt = args.format
+    return fmt.min, fmt.max
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element is finite, from one small reduction per tensor.
+
+    NaN and +-inf propagate into `aminmax`, so only its two ends are tested
+    (float32 tensors: one native pass where the kernels are built).
+    """
+    natively = [native.all_finite(t) for t in tensors]
+    if False in natively:
+        return False
+    ends = [
+        torch.stack(torch.aminmax(t))
+        for t, done in zip(tensors, natively, strict=True)
+        if t.numel() and done is None
+    ]
+    return not ends or bool(torch.isfinite(torch.cat(ends)).all())
+
+
+def range_or_zero(
+    min_vals: torch.Tensor, max_vals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    empty = min_vals > max_vals
+    if not bool(empty.any()):
+        return min_vals, max_vals
+    zero = torch.zeros_like(min_vals)
+    return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
+
+
+def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+    _check_range_types(min_vals, max_vals)
+    if not all_finite(min_vals, max_vals):
+        bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
+        raise ValueError(
+            f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
+            "max_vals; drop non-finite inputs before observing (e.g. an "
+            "observer with nan_policy='omit')"
+        )
+    if (min_vals > max_vals).any():
+        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
+
+
+def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+    for name, vals in (("min_vals", min_vals), ("max_vals", max_vals)):
+        if not isinstance(vals, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(vals).__name__}")
+        if not vals.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {vals.dtype}")
+    if min_vals.shape != max_vals.shape:
+        raise ValueError(
+            f"min_vals {tuple(min_vals.shape)} and max_vals "
+            f"{tuple(max_vals.shape)} must have the same shape"
+        )
+
+
+def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.Tensor:
+    """The power-of-two exponent of positive values under a rounding mode.
+
+    Args:
+        amax: float32 tensor of values `> 0` (zeros give `-inf`).
+        rounding: `even`, `floor` or `ceil`, see the module's truth table.
+
+    Returns:
+        float32 tensor of integer-valued exponents, same shape.
+    """
+    mantissa, exponent = torch.frexp(
+        amax
+    )  # amax = mantissa * 2**exponent, 0.5 <= m < 1
+    e = (exponent - 1).to(torch.float32)  # amax = (2 * mantissa) * 2**e
+    if rounding == "even":
+        e = e + (mantissa >= 0.875).to(torch.float32)
+    elif rounding == "ceil":
+        e = e + (mantissa > 0.5).to(torch.float32)
+    elif rounding != "floor":
+        raise ValueError(f"rounding={rounding!r}; use 'even', 'floor' or 'ceil'")
+    return torch.where(amax > 0, e, torch.full_like(e, float("-inf")))
+
+
+def _mx_scales(
+    amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
+) -> torch.Tensor:
+    # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
+    biased = pow2_exponent(amax, rounding) - fmt.emax + _E8M0_BIAS
+    biased = biased.clamp(0, _E8M0_MAX_EXPONENT)
+    return torch.exp2(biased - _E8M0_BIAS)
+
+
+def _round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round to the nearest value of `dtype` (saturating), keep `values.dtype`."""
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        return values.clamp(info.min, info.max).to(dtype).to(values.dtype)
+    iinfo = torch.iinfo(dtype)
+    return torch.round(values.clamp(iinfo.min, iinfo.max)).to(values.dtype)
+
+
+def _zero_scale_replacement(dtype: torch.dtype) -> float:
+    # compressed-tensors' eps: a zero scale becomes the smallest step of the
+    # dtype the scale is stored in.
+    if dtype == torch.float8_e4m3fn:
+        return 0.125
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).eps)
+    return 1.0
+
+
+def calculate_qparams(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: torch.Tensor | None = None,
+    *,
+    pow2: Pow2Rounding | None = None,
+    empty_as_zero: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from a range, per quantization parameter.
+
+    The range is first extended to contain 0. Symmetric: `scale = amax /
+    ((qmax - qmin) / 2)` (int8 divides by 127.5, FP8 by 448, FP4 by 6), zero
+    point 0. Asymmetric: `scale = (max - min) / (qmax - qmin)`, `zero_point =
+    round(qmin - min / scale)` clamped to `[qmin, qmax]`. MX args (float, group
+    32, e8m0 `scale_dtype`) get `2 ** (exponent(amax) - emax)`. A global scale
+    (NVFP4) multiplies the scale before it is rounded to `scale_dtype`.
+
+    Args:
+        min_vals: `(*qparam_shape,)` minima.
+        max_vals: `(*qparam_shape,)` maxima.
+        args: the quantization args.
+        global_scale: optional `(1,)` global scale (tensor_group / NVFP4).
+        pow2: power-of-two rounding of the exponent: MX scales use it (default
+            `"even"`); for other args it rounds the scale itself to a power of
+            two (`None`: no rounding).
+        empty_as_zero: treat a range with `min > max` (an observer's qparam
+            that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
+
+    Returns:
+        `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
+        range). `scale` has the dtype of `min_vals` and values representable
+        in `args.scale_dtype`; it is finite and positive. `zero_point` has
+        dtype `args.zp_dtype` and lies in `[qmin, qmax]`.
+
+    Raises:
+        TypeError: non-tensor or non-float ranges.
+        ValueError: shapes differ, non-finite values, `min > max`, or a
+            global scale that is not one finite positive number.
+    """
+    _check_range_types(min_vals, max_vals)
+    if global_scale is not None:
+        check_global_scale(global_scale)
+    if pow2 is None:
+        fast = _native_symmetric(min_vals, max_vals, args, global_scale, empty_as_zero)
+        if fast is not None:
+            return fast
+    if empty_as_zero:
+        min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    _check_range(min_vals, max_vals)
+    out_dtype = min_vals.dtype
+    work = torch.float64 if out_dtype == torch.float64 else torch.float32
+    fmt = args.format
+    qmin, qmax = fmt.min, fmt.max
+    half_range = (qmax - qmin) / 2
+
+    zero_point: torch.Tensor | None
+    if args.symmetric:
+        # max(|min|, |max|) of the range extended to contain 0:
+        # max(-min, max, 0), the same number in three passes instead of five
+        amax = torch.maximum(-min_vals.to(work), max_vals.to(work)).clamp_(min=0.0)
+        if args.is_mx:
+            scale = _mx_scales(amax, fmt, pow2 or "even")
+        else:
+            scale = amax.div_(half_range)
+        zero_point = None  # all zeros, made in zp_dtype below
+    else:
+        min_vals = torch.clamp(min_vals.to(work), max=0.0)
+        max_vals = torch.clamp(max_vals.to(work), min=0.0)
+        scale = (max_vals - min_vals) / (qmax - qmin)
+        wide = ~torch.isfinite(scale)  # max - min overflowed
+        if wide.any():
+            scale = torch.where(
+                wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
+            )
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        # min == 0 wherever scale == 0, so the zero point is qmin there.
+        zero_point = torch.clamp(qmin - min_vals / safe, qmin, qmax)
+
+    if pow2 is not None and not args.is_mx:
+        scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
+
+    if global_scale is not None:
+        scale = global_scale.to(work) * scale
+        if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
+            raise ValueError(
+                "global_scale * scale overflowed; the global scale is too large "
+                "for this range (compute it with generate_gparam)"
+            )
+
+    if args.scale_dtype is not None and not args.is_mx:
+        scale = _round_to_dtype(scale, args.scale_dtype)
+    scale = scale.to(out_dtype)
+    eps = _zero_scale_replacement(args.scale_dtype or out_dtype)
+    scale = scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
+    return _with_zero_point(scale, zero_point, args)
+
+
+def _with_zero_point(
+    scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(scale, zero_point)` as returned: the zero point rounded to
+    `zp_dtype` (zeros where None), 0-d results as shape `(1,)`."""
+    zp_dtype = args.zp_dtype or torch.int8
+    if zero_point is None:
+        zero_point = torch.zeros(scale.shape, dtype=zp_dtype, device=scale.device)
+    else:
+        zero_point = _round_to_dtype(zero_point, zp_dtype).to(zp_dtype)
+    if scale.ndim == 0:
+        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def _native_symmetric(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: torch.Tensor | None,
+    empty_as_zero: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The symmetric float32 path in one native pass (NVFP4's 1M group
+    scales), or None where it does not apply or the torch path must raise."""
+    scale_dtype = args.scale_dtype or torch.float32
+    if (
+        not args.symmetric
+        or args.is_mx
+        or min_vals.dtype != torch.float32
+        or scale_dtype not in (torch.float32, torch.float8_e4m3fn)
+        or not native.available()
+    ):
+        return None
+    fmt = args.format
+    scale = native.symmetric_scales(
+        min_vals,
+        max_vals,
+        (fmt.max - fmt.min) / 2,
+        None if global_scale is None else float(global_scale.float()),
+        scale_dtype == torch.float8_e4m3fn,
+        _zero_scale_replacement(scale_dtype),
+        empty_as_zero,
+    )
+    return None if scale is None else _with_zero_point(scale, None, args)
+
+
+def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
+    """Validate a global scale: one finite, positive number."""
+    if not isinstance(global_scale, torch.Tensor):
+        raise TypeError(
+            f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}"
+        )
+    if global_scale.numel() != 1:
+        raise ValueError(
+            f"global_scale must hold one value (shape (1,)), got shape "
+            f"{tuple(global_scale.shape)}"
+        )
+    value = global_scale.detach().float()
+    if not (torch.isfinite(value).all() and (value > 0).all()):
+        raise ValueError(
+            f"global_scale must be finite and positive, got {value.item()}"
+        )
+    return global_scale
+
+
+def amax_to_global_scale(
+    amax: torch.Tensor,
+    scale_format: str | NumberFormat = "float8_e4m3fn",
+    quant_format: str | NumberFormat = "float4_e2m1fn",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """NVFP4 global scale `scale_max * quant_max / amax` (448 * 6 / amax).
+
+    Chosen so that the largest group scale, `global_scale * amax / 6`, is
+    exactly the FP8 maximum 448. An all-zero tensor (`amax == 0`) gets 1.0, as
+    does an `amax` so small that the quotient overflows.
+
+    Args:
+        amax: absolute maximum of the whole tensor, any shape with one element.
+        scale_format: format of the local (group) scales.
+        quant_format: format of the quantized values.
+        dtype: dtype of the result.
+
+    Returns:
+        `(1,)` global scale in `dtype`.
+    """
+    scale_fmt = (
+        get_format(scale_format) if isinstance(scale_format, str) else scale_format
+    )
+    quant_fmt = (
+        get_format(quant_format) if isinstance(quant_format, str) else quant_format
+    )
+    if not torch.isfinite(amax).all():
+        raise ValueError(
+            "amax is not finite (NaN or inf); drop non-finite inputs before "
+            "computing a global scale"
+        )
+    amax = amax.to(torch.float32).abs().clamp(min=torch.finfo(torch.float32).tiny)
+    global_scale = (scale_fmt.max * quant_fmt.max) / amax
+    global_scale = torch.where(
+        torch.isfinite(global_scale), global_scale, torch.ones_like(global_scale)
+    )
+    return global_scale.to(dtype).reshape(1)
+
+
+def generate_gparam(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    scale_format: str | NumberFormat = "float8_e4m3fn",
+    quant_format: str | NumberFormat = "float4_e2m1fn",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Global scale from a tensor's range (compressed-tensors' `generate_gparam`).
+
+    Args:
+        min_vals: the tensor's minimum (one element).
+        max_vals: the tensor's maximum (one element).
+        scale_format: format of the local scales (FP8 e4m3 for NVFP4).
+        quant_format: format of the values (FP4 e2m1 for NVFP4).
+        dtype: dtype of the result.
+
+    Returns:
+        `(1,)` global scale, see `amax_to_global_scale`.
+    """
+    _check_range(min_vals, max_vals)
+    amax = torch.maximum(
+        torch.clamp(min_vals.float(), max=0.0).abs(),
+        torch.clamp(max_vals.float(), min=0.0),
+    )
+    if amax.numel() != 1:
+        amax = amax.max()
+    return amax_to_global_scale(amax, scale_format, quant_format, dtype)
+
+
+def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """Cast float scales to the dtype a checkpoint stores them in.
+
+    MX scales become biased e8m0 exponents (`uint8`, or `float8_e8m0fnu` when
+    that is the `scale_dtype`); other scales are cast to `scale_dtype` when set.
+    """
+    if args.is_mx:
+        exponent = torch.log2(scale.float()).round() + _E8M0_BIAS
+        codes = exponent.clamp(0, _E8M0_MAX_EXPONENT).to(torch.uint8)
+        if args.scale_dtype == torch.float8_e8m0fnu:
+            return codes.view(torch.float8_e8m0fnu)
+        return codes
+    if args.scale_dtype is not None:
+        return scale.to(args.scale_dtype)
+    return scale
+
+
+def storage_to_scale(
+    scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `scale_to_storage`: stored scales back to float `dtype`."""
+    if args.is_mx and scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        codes = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+        return torch.exp2(codes.to(torch.float32) - _E8M0_BIAS).to(dtype)
+    if scale.dtype.is_floating_point and scale.dtype.itemsize == 1:
+        return scale.to(dtype)
+    return scale

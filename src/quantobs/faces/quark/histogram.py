@@ -1,0 +1,542 @@
+"""Histogram observers: plain, percentile, MSE, and the torch.ao-based Pro.
+
+Per tensor (Quark's qscheme) each keeps Quark's growing fixed-width
+histogram (`quantobs.faces.quark.linear_histogram`: 2048 bins; percentile: 4200
+bins, zeros skipped) in the buffers `calib_hist` (int64, exact) and
+`calib_bin_edges`, and searches it when qparams are asked for, once (Quark
+searches after every calibration batch). Symmetric specs histogram `|x|`.
+
+Beyond Quark, `per_channel` and `per_group` specs work too: one exact-count
+histogram per channel / group (`quantobs.stats.histogram`, power-of-two bin
+widths, `bins` = Quark's bin count per qparam), with the same searches
+vectorized over qparams (percentile: `quantobs.solvers.percentile`, whose
+boundary is the right edge; MSE: Quark's candidates `lo + (hi - lo) * (i +
+0.5) / bins` for `i` from `start_bin` on, scored on the histogram).
+
+Fixes of Quark's bugs (the tests assert the correct numbers):
+
+* `PerTensorHistogramObserver` never sets its range, so its qparams are
+  always `(1.0, 0)`; here they are the observed range's (min-max).
+* The asymmetric percentile returns the data minimum and the lower tail's
+  percentile (both ends at the bottom of the data; with Quark's default
+  percentile both are the data minimum); here both tails are cut
+  (`quantobs.faces.quark.search`).
+* Growing a histogram to the left adds the old counts at the wrong bins.
+* Growing to the right, Quark's bin count (a float32 `ceil`) can disagree
+  with its edges (a float64 `arange`) by one: it then bins with the wrong
+  width (and its MSE search fails on the shapes). Here the bins are the
+  edges'.
+* Percentile counts are exact: past 2**24 values Quark's float32 CDF reaches
+  1.0 early and cuts the top values even at p = 99.99999999.
+* The asymmetric MSE search fixes the minimum at 0 (negative values all
+  quantize to 0); here the minimum is the data minimum.
+
+Also: `min_val` / `max_val` hold the observed data range (Quark overwrites
+them with the searched range); qparams before any observation raise
+`ValueError` (Quark raises `AttributeError` or `ValueError`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, ClassVar
+
+import torch
+
+from quantobs.faces.quark import qparams as qp
+from quantobs.faces.quark.base import (
+    FLOAT32_EPS,
+    UniformScalingObserver,
+    check_finite,
+    stat_dtype,
+)
+from quantobs.faces.quark.blocks import channel_view, normalize_axis
+from quantobs.faces.quark.linear_histogram import (
+    LinearHistogram,
+    update_linear_histogram,
+)
+from quantobs.faces.quark.search import (
+    candidate_errors,
+    mse_candidates,
+    percentile_bounds,
+)
+from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig, element_format
+from quantobs.faces.torch_ao import HistogramObserver as TorchHistogramObserver
+from quantobs.solvers.percentile import percentile_range, percentile_upper
+from quantobs.stats.histogram import (
+    Histogram,
+    check_budget,
+    empty_histogram,
+    update_histogram,
+)
+from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
+
+__all__ = [
+    "PerTensorHistogramObserver",
+    "PerTensorHistogramObserverPro",
+    "PerTensorMSEObserver",
+    "PerTensorPercentileObserver",
+]
+
+_ALL_QSCHEMES = (QSchemeType.per_tensor, QSchemeType.per_channel, QSchemeType.per_group)
+_ENGINE_FIELDS = ("counts", "exponent", "offset", "min_vals", "max_vals")
+_FP8 = (Dtype.fp8_e4m3, Dtype.fp8_e5m2)
+
+
+class PerTensorHistogramObserver(UniformScalingObserver):
+    """Histogram of the input; qparams of its range (Quark: always `(1, 0)`).
+
+    Args:
+        qspec: a symmetric spec (`ValueError` in `forward` otherwise, as
+            Quark's documentation says); per_tensor (Quark), per_channel or
+            per_group.
+        device: device of the buffers.
+
+    Attributes:
+        calib_hist: per tensor: `(bins,)` int64 counts.
+        calib_bin_edges: per tensor: `(bins + 1,)` float32 edges.
+    """
+
+    qschemes = _ALL_QSCHEMES
+    _symmetric_only: ClassVar[bool] = True
+    calib_hist: torch.Tensor
+    calib_bin_edges: torch.Tensor
+    hist_min_vals: torch.Tensor
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)
+        self.register_buffer("calib_bin_edges", torch.tensor([], device=device))
+        self.register_buffer(
+            "calib_hist", torch.tensor([], dtype=torch.int64, device=device)
+        )
+        for name in _ENGINE_FIELDS:
+            self.register_buffer(f"hist_{name}", torch.tensor([], device=device))
+        self._skip_zeros = False
+        self._num_bins = 2048
+        self.device = device
+
+    # -- recording -----------------------------------------------------------
+
+    @property
+    def _absolute(self) -> bool:
+        return self.symmetric is not False
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Add `x_orig` to the histogram; return it unchanged.
+
+        Raises:
+            ValueError: an asymmetric spec (plain histogram observer only),
+                NaN / inf values, or a qparam shape that changed.
+        """
+        if self._symmetric_only and self.symmetric is False:
+            raise ValueError(
+                "PerTensorHistogramObserver is symmetric only (symmetric=False "
+                "given); use PerTensorPercentileObserver or PerTensorMSEObserver "
+                "for asymmetric ranges"
+            )
+        if x_orig.numel() == 0:
+            return x_orig
+        x = x_orig.detach()
+        self.device = x.device
+        if self.qscheme in (None, QSchemeType.per_tensor):
+            low, high = torch.aminmax(x)
+            check_finite(type(self).__name__, low, high)
+            hist = update_linear_histogram(
+                self._linear(),
+                x,
+                self._num_bins,
+                self._absolute,
+                self._skip_zeros,
+                minmax=(low, high),
+            )
+            self.calib_hist, self.calib_bin_edges = hist.counts, hist.edges
+            self._num_bins = hist.bins
+        else:
+            low, high = self._update_engine(x)
+        dtype = stat_dtype(x.dtype)
+        if self._has_data():
+            low = torch.minimum(low.to(dtype), self.min_val.to(dtype))
+            high = torch.maximum(high.to(dtype), self.max_val.to(dtype))
+        self._store_range(low, high, x)
+        return x_orig
+
+    def _has_data(self) -> bool:
+        return not (self.min_val.dim() == 0 and bool(self.min_val == math.inf))
+
+    def _linear(self) -> LinearHistogram | None:
+        if self.calib_hist.numel() == 0:
+            return None
+        return LinearHistogram(self.calib_hist, self.calib_bin_edges)
+
+    def _flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in the histogram engine's `(N, *Q, G)` layout (Quark's order)."""
+        spec = self.qspec
+        if self.qscheme == QSchemeType.per_channel:
+            return channel_view(x, int(spec.ch_axis or 0))  # (pre, C, post)
+        if x.ndim == 0:
+            x = x.reshape(1)
+        axis = normalize_axis(int(spec.ch_axis or 0), x.ndim)
+        size = x.shape[axis]
+        group = size if spec.group_size in (None, -1) else int(spec.group_size)
+        if size % group:
+            raise ValueError(
+                f"the axis {axis} of size {size} does not divide into groups of "
+                f"{group}; use a group_size that divides {size}"
+            )
+        rows = x.transpose(axis, -1).reshape(-1, size)  # Quark's group order
+        return rows.reshape(1, rows.shape[0], size // group, group)  # (1, R, G#, g)
+
+    def _engine(self) -> Histogram | None:
+        stats = {name: getattr(self, f"hist_{name}") for name in _ENGINE_FIELDS}
+        if stats["counts"].numel() == 0:
+            return None
+        return Histogram.from_stats(stats, self._absolute)
+
+    def _update_engine(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_flat = self._flatten(x)
+        low, high = minmax(x_flat)
+        check_finite(type(self).__name__, low, high)
+        data_range = (low, high)
+        skip = self._skip_zeros
+        if skip:  # zeros -> NaN, which the engine leaves out
+            x_flat = torch.where(x_flat == 0, math.nan, x_flat)
+            data_range = minmax_omit_nonfinite(x_flat)
+        hist = self._engine()
+        if hist is None:
+            qshape = tuple(low.shape)
+            check_budget(math.prod(qshape), self._num_bins, what=type(self).__name__)
+            hist = empty_histogram(qshape, self._num_bins, self._absolute, x.device)
+        hist = update_histogram(
+            hist, x_flat, data_range, has_nonfinite=skip, inplace=True
+        )
+        for name, value in hist.to_stats().items():
+            setattr(self, f"hist_{name}", value)
+        return low, high
+
+    # -- qparams -------------------------------------------------------------
+
+    def _require_data(self) -> None:
+        if not self._has_data():
+            raise ValueError(
+                f"{type(self).__name__}: no data observed yet; run calibration "
+                "batches through the observer before asking for qparams"
+            )
+
+    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The range the qparams come from: here the observed one."""
+        return self.min_val, self.max_val
+
+    def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Search the histogram once, then Quark's qparams of that range.
+
+        Returns:
+            `(scale, zero_point)`: 0-d per tensor, `(C,)` per channel,
+            `(rows, groups)` per group.
+        """
+        self._require_data()
+        low, high = self._search_range()
+        scale, zero_point = self.calculate_qparams(low, high)
+        if self.qscheme == QSchemeType.per_group:
+            groups = self._group_count()
+            scale, zero_point = (
+                scale.reshape(-1, groups),
+                zero_point.reshape(-1, groups),
+            )
+        return scale, zero_point
+
+    def _group_count(self) -> int:
+        shape = self.hist_min_vals.shape
+        return int(shape[-1]) if len(shape) == 2 else 1
+
+    def reset_min_max_vals(self) -> None:
+        """Forget the range and the histograms."""
+        super().reset_min_max_vals()
+        device = self.min_val.device
+        self.calib_hist = torch.tensor([], dtype=torch.int64, device=device)
+        self.calib_bin_edges = torch.tensor([], device=device)
+        for name in _ENGINE_FIELDS:
+            setattr(self, f"hist_{name}", torch.tensor([], device=device))
+        self._num_bins = type(self)._default_bins()
+
+    @classmethod
+    def _default_bins(cls) -> int:
+        return 2048
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Base state plus the bin count."""
+        return {**super().get_extra_state(), "num_bins": self._num_bins}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Inverse of `get_extra_state`."""
+        super().set_extra_state(state)
+        if isinstance(state, dict) and "num_bins" in state:
+            self._num_bins = int(state["num_bins"])
+
+    def _engine_edges(
+        self, hist: Histogram
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flattened `(counts (Q, B), left edge (Q,), width (Q,))`."""
+        lo, width = hist.edges()
+        return hist.counts.reshape(-1, hist.bins), lo.reshape(-1), width.reshape(-1)
+
+
+class PerTensorPercentileObserver(PerTensorHistogramObserver):
+    """Range at a percentile of the histogram (zeros left out).
+
+    Attributes:
+        percentile: 99.99999999 (Quark's); change it before the qparams.
+    """
+
+    _symmetric_only = False
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)
+        self._skip_zeros = True
+        self._num_bins = 4200
+        self.percentile = 99.99999999
+
+    @classmethod
+    def _default_bins(cls) -> int:
+        return 4200
+
+    def get_min_max_by_percentile(
+        self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Range of a `(bins,)` histogram over `(bins + 1,)` edges at `percentile`.
+
+        Returns:
+            `(min, max)` 0-d tensors (see `quantobs.faces.quark.search`); an empty
+            histogram gives `(zeros(1), zeros(1))` with a warning, as Quark.
+
+        Raises:
+            ValueError: `percentile` outside 0..100, or edges and counts that
+                do not match.
+        """
+        if not 0 <= percentile <= 100:
+            raise ValueError(
+                f"percentile={percentile} must be between 0 and 100 (e.g. 99.99)"
+            )
+        if bin_edges.numel() != histogram.numel() + 1:
+            raise ValueError(
+                f"bin_edges needs one more element than histogram, got "
+                f"{bin_edges.numel()} edges for {histogram.numel()} bins"
+            )
+        found = percentile_bounds(histogram, bin_edges, percentile, self._absolute)
+        if found is None:
+            warnings.warn(
+                f"{type(self).__name__}: the histogram is empty (all observed "
+                "values were zero); returning the range (0, 0)",
+                UserWarning,
+                stacklevel=2,
+            )
+            zero = torch.zeros(1, device=bin_edges.device)
+            return zero, zero
+        return found
+
+    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hist = self._engine()
+        if hist is None:
+            return self.get_min_max_by_percentile(
+                self.calib_hist, self.calib_bin_edges, self.percentile
+            )
+        counts, lo, width = self._engine_edges(hist)
+        if self._absolute:
+            amax = torch.maximum(-hist.min_vals, hist.max_vals).reshape(-1)
+            upper = percentile_upper(counts, lo, width, self.percentile, amax)
+            upper = upper.to(torch.float32).reshape(hist.qparam_shape)
+            return torch.zeros_like(upper), upper
+        low, high = percentile_range(
+            counts,
+            lo,
+            width,
+            self.percentile,
+            hist.min_vals.reshape(-1),
+            hist.max_vals.reshape(-1),
+        )
+        return low.reshape(hist.qparam_shape), high.reshape(hist.qparam_shape)
+
+
+class PerTensorMSEObserver(PerTensorHistogramObserver):
+    """Range whose qparams give the least squared error over the histogram.
+
+    Integer dtypes and fp8 (Quark: int4, uint4, int8, uint8, fp8 only).
+    """
+
+    _symmetric_only = False
+
+    #: Quark's defaults of `get_min_max_by_mse`, also used per channel / group.
+    start_bin: ClassVar[int] = 2045
+    stride: ClassVar[int] = 1
+
+    @classmethod
+    def check_spec(cls, spec: QTensorConfig) -> None:
+        """Integer and fp8 dtypes only (the search fake-quantizes)."""
+        super().check_spec(spec)
+        try:
+            is_float = element_format(spec.dtype).is_float
+        except ValueError:
+            is_float = True
+        if is_float and spec.dtype not in _FP8:
+            raise ValueError(
+                f"PerTensorMSEObserver searches integer and fp8 dtypes, got "
+                f"{spec.dtype.value!r}; use a min-max observer"
+            )
+
+    def get_min_max_by_mse(
+        self,
+        calib_hist: torch.Tensor,
+        calib_bin_edges: torch.Tensor,
+        stride: int = 1,
+        start_bin: int = 2045,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Range of least squared error among the bin centers from `start_bin` on.
+
+        Returns:
+            `(min, max)` 0-d float32 tensors: min is 0 (symmetric) or the
+            histogram's left edge; max is the chosen bin center.
+
+        Raises:
+            ValueError: fewer than 2 edges, or edges and counts that differ.
+        """
+        edges = calib_bin_edges.to(torch.float32)
+        if edges.numel() < 2 or edges.numel() != calib_hist.numel() + 1:
+            raise ValueError(
+                f"need bin edges (at least 2) for every bin: got {edges.numel()} "
+                f"edges for {calib_hist.numel()} bins"
+            )
+        centers = (edges[1:] + edges[:-1]) / 2
+        index = mse_candidates(centers.numel(), start_bin, stride).to(edges.device)
+        low = edges[:1] * 0 if self._absolute else edges[:1]
+        errors = candidate_errors(
+            centers[None], calib_hist[None], low, centers[index][None], self._fake_quant
+        )
+        best = centers[index[int(errors[0].argmin())]]
+        return low[0], best
+
+    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hist = self._engine()
+        if hist is None:
+            return self.get_min_max_by_mse(self.calib_hist, self.calib_bin_edges)
+        counts, lo, width = self._engine_edges(hist)
+        bins = counts.shape[1]
+        index = torch.arange(bins, dtype=torch.float64, device=lo.device) + 0.5
+        centers = (lo[:, None] + index * width[:, None]).float()  # (Q, bins)
+        if self._absolute:
+            low = torch.zeros_like(hist.min_vals.reshape(-1))
+            high = torch.maximum(-hist.min_vals, hist.max_vals).reshape(-1)
+        else:
+            low, high = hist.min_vals.reshape(-1), hist.max_vals.reshape(-1)
+        # Quark's candidates relative to the range: centers of `bins` equal
+        # bins over [low, high], from start_bin on.
+        picks = mse_candidates(bins, self.start_bin, self.stride).to(lo.device)
+        fraction = (picks.to(torch.float64) + 0.5) / bins
+        spread = (high - low).double()
+        candidates = (low[:, None].double() + spread[:, None] * fraction).float()
+        errors = candidate_errors(centers, counts, low, candidates, self._fake_quant)
+        best = candidates.gather(1, errors.argmin(dim=1, keepdim=True))
+        shape = hist.qparam_shape
+        return low.reshape(shape), best.reshape(shape)
+
+    def _fake_quant(
+        self, values: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    ) -> torch.Tensor:
+        """Quantize-dequantize as Quark's search does (torch's fake quant)."""
+        if self.dtype in _FP8:
+            fmt = element_format(self.dtype)
+            scale = high / fmt.max
+            return fmt.round((values / scale).clamp(fmt.min, fmt.max)) * scale
+        scale, zero_point = qp.int_qparams(
+            low.expand_as(high),
+            high,
+            self.quant_min,
+            self.quant_max,
+            self._absolute,
+            self.eps,
+        )
+        inv = 1.0 / scale  # torch.fake_quantize_per_tensor_affine multiplies
+        q = torch.round(values * inv)
+        if self._absolute:  # zero point 0
+            return q.clamp_(self.quant_min, self.quant_max).mul_(scale)
+        zp = zero_point.to(torch.float32)
+        q = q.add_(zp).clamp_(self.quant_min, self.quant_max).sub_(zp)
+        return q.mul_(scale)
+
+
+class PerTensorHistogramObserverPro(UniformScalingObserver):
+    """torch.ao's `HistogramObserver` (L2 search) with 256 bins, per tensor.
+
+    Wraps `quantobs.faces.torch_ao.HistogramObserver`, torch's numbers bit for bit
+    (its zero-point rules: 128 for symmetric uint8, int64 / int32 dtypes).
+
+    Args:
+        qspec: per_tensor, dtype uint4, int8 or uint8.
+        device: device of the buffers.
+        bins: histogram bins.
+        reduce_range: drop one bit of the range.
+        upsample_rate: kept for Quark's signature (torch >= 2.5 ignores it).
+
+    Raises:
+        ValueError: another qscheme or dtype.
+    """
+
+    qschemes = (QSchemeType.per_tensor,)
+    _TORCH_DTYPES: ClassVar[dict[Dtype, torch.dtype]] = {
+        Dtype.uint4: torch.quint4x2,
+        Dtype.int8: torch.qint8,
+        Dtype.uint8: torch.quint8,
+    }
+
+    @classmethod
+    def check_spec(cls, spec: QTensorConfig) -> None:
+        """per_tensor, uint4 / int8 / uint8."""
+        if spec.qscheme != QSchemeType.per_tensor:
+            raise ValueError(
+                "PerTensorHistogramObserverPro only supports qscheme='per_tensor', "
+                f"got {spec.qscheme!r}"
+            )
+        if spec.dtype not in cls._TORCH_DTYPES:
+            raise ValueError(
+                "PerTensorHistogramObserverPro supports dtype uint4, int8 and "
+                f"uint8, got {spec.dtype.value!r}"
+            )
+
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        bins: int = 256,
+        reduce_range: bool = False,
+        upsample_rate: int = 384,
+    ) -> None:
+        super().__init__(qspec, device, FLOAT32_EPS)
+        torch_qscheme = (
+            torch.per_tensor_symmetric if self.symmetric else torch.per_tensor_affine
+        )
+        self.upsample_rate = upsample_rate
+        self.histogram = TorchHistogramObserver(
+            bins=bins,
+            dtype=self._TORCH_DTYPES[self.dtype],
+            qscheme=torch_qscheme,
+            quant_min=int(self.quant_min),
+            quant_max=int(self.quant_max),
+            reduce_range=reduce_range,
+            factory_kwargs={"device": device} if device is not None else None,
+        )
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Add `x_orig` to torch's histogram; return it unchanged."""
+        return self.histogram(x_orig)
+
+    def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's greedy L2 search and qparams, each `(1,)`."""
+        return self.histogram.calculate_qparams()
+
+    def reset_state(self) -> None:
+        """Forget the histogram."""
+        self.reset_min_max_vals()
+
+    def reset_min_max_vals(self) -> None:
+        """Forget the histogram (and the unused range)."""
+        super().reset_min_max_vals()
+        self.histogram.reset_min_max_vals()

@@ -1,0 +1,293 @@
+"""Quark's power-of-two observers (ported from its ONNX tools): min-max and MinMSE.
+
+Per call of `_calculate_qparams` (Quark calls it after every calibration
+batch) the running range gives one power-of-two candidate, and the observer
+returns the most frequent `(scale, zero_point)` over all calls so far (ties:
+the earliest). One candidate::
+
+    range       zero-extended; symmetric: [-amax, amax]
+    scale       (max - min) / (qmax - qmin)  (1 for an empty range)
+    zero point  trunc(qmin - min / scale)
+    pof2        scale rounded to the nearest power of two in log2
+    zero point  max(zero point, qmin); 128 if symmetric uint8 gave 127
+
+MinMSE observers then try `pof2 * 2**k` for `k = 2, 1, 0, -1, -2` on the
+last batch (same zero point) and keep the first of least squared error;
+per channel one common `k` for all channels, chosen on the summed error (as
+Quark).
+
+Differences from Quark: the arithmetic is float32 whatever the input dtype
+(Quark computes in it: a bfloat16 input gives symmetric int8 the zero point
+-1, and float16 per-channel inputs raise); the power of two is decided
+exactly (Quark rounds a float32 `log2`); an all-zero channel gets the scale
+of an empty range (Quark divides 0 by 0); errors are summed in float64.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from quantobs.faces.quark import qparams as qp
+from quantobs.faces.quark.base import warn_unobserved
+from quantobs.faces.quark.blocks import channel_view
+from quantobs.faces.quark.minmax import (
+    PerChannelMinMaxObserver,
+    PerTensorMinMaxObserver,
+)
+from quantobs.faces.quark.spec import Dtype, QTensorConfig
+
+__all__ = [
+    "PerChannelPowOf2MinMSEObserver",
+    "PerChannelPowOf2MinMaxObserver",
+    "PerTensorPowOf2MinMSEObserver",
+    "PerTensorPowOf2MinMaxObserver",
+]
+
+_POW2_DTYPES = (Dtype.int8, Dtype.uint8, Dtype.int32)
+_SHIFTS = (2, 1, 0, -1, -2)  # scale * 2**k, Quark's order
+
+
+def _check_pow2_dtype(cls: type, spec: QTensorConfig) -> None:
+    if spec.dtype not in _POW2_DTYPES:
+        raise ValueError(
+            f"{cls.__name__} supports int8, uint8 and int32, got dtype="
+            f"{spec.dtype.value!r}"
+        )
+
+
+class _Pow2Mixin:
+    """The candidate of one range and the vote over calls."""
+
+    quant_min: float
+    quant_max: float
+    symmetric: bool | None
+    dtype: Dtype
+    _votes: list[tuple[float, ...]]
+
+    def _pow2_candidate(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One power-of-two `(scale, zero_point)` of a range (module table)."""
+        min_val, max_val = min_val.float(), max_val.float()
+        qmin, qmax = float(self.quant_min), float(self.quant_max)
+        min_neg = torch.clamp(min_val, max=0)
+        max_pos = torch.clamp(max_val, min=0)
+        if self.symmetric:
+            amax = torch.maximum(-min_neg, max_pos)
+            min_neg, max_pos = -amax, amax
+        spread = max_pos - min_neg
+        scale = torch.where(spread != 0, spread / (qmax - qmin), 1.0)
+        zero_point = (qmin - min_neg / scale).trunc()
+        pof2 = qp.pow2_round(scale)
+        new_min = torch.clamp((qmin - zero_point) * pof2, max=0)
+        zero_point = torch.round(qmin - new_min / pof2).to(torch.int32)
+        if (
+            self.symmetric
+            and self.dtype == Dtype.uint8
+            and bool((zero_point == 127).all())
+        ):
+            zero_point = torch.full_like(zero_point, 128)
+        return pof2, zero_point
+
+    def _vote(self, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[float, ...]:
+        """Record this call's qparams; the most frequent so far (earliest on ties)."""
+        both = torch.cat([scale.reshape(-1).float(), zero_point.reshape(-1).float()])
+        self._votes.append(tuple(both.tolist()))
+        return Counter(self._votes).most_common(1)[0][0]
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Base state plus the votes."""
+        return {**super().get_extra_state(), "votes": list(self._votes)}  # type: ignore[misc]
+
+    def set_extra_state(self, state: Any) -> None:
+        """Inverse of `get_extra_state`."""
+        super().set_extra_state(state)  # type: ignore[misc]
+        if isinstance(state, dict):
+            self._votes = [tuple(v) for v in state.get("votes", [])]
+
+
+class _LastBatchMixin:
+    """MinMSE observers: keep the last batch; search its best shift once."""
+
+    original_tensor: torch.Tensor | None
+    pos_range: int
+    _pow2_candidate: Any
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)  # type: ignore[call-arg]
+        self.original_tensor = None
+        self.pos_range = len(_SHIFTS)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Record the range and keep the batch for the search."""
+        if x_orig.numel() == 0:
+            return x_orig
+        super().forward(x_orig)  # type: ignore[misc]
+        self.original_tensor = x_orig.detach()
+        return x_orig
+
+    def _take_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(scale, zero_point)` candidate of the range, and the kept batch."""
+        if self.original_tensor is None:
+            raise ValueError(
+                f"{type(self).__name__}: no batch to search (each forward() "
+                "allows one calculation); run a batch through the observer"
+            )
+        scale, zero_point = self._pow2_candidate(min_val, max_val)
+        data, self.original_tensor = self.original_tensor, None
+        return scale, zero_point, data
+
+
+class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
+    """Power-of-two scale of the running range, most frequent over calls.
+
+    Returns 0-d float32 scale and zero point (Quark's dtypes).
+    """
+
+    @classmethod
+    def check_spec(cls, spec: QTensorConfig) -> None:
+        """int8, uint8, int32 per tensor."""
+        super().check_spec(spec)
+        _check_pow2_dtype(cls, spec)
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)
+        self._votes = []
+
+    @property
+    def record_scale(self) -> list[float]:
+        """Scales of every call so far (Quark's attribute)."""
+        return [vote[0] for vote in self._votes]
+
+    @property
+    def record_zp(self) -> list[float]:
+        """Zero points of every call so far (Quark's attribute)."""
+        return [vote[1] for vote in self._votes]
+
+    def _one_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pow2_candidate(min_val, max_val)
+
+    def calculate_qparams(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this range's candidate; return the most frequent one."""
+        device = min_val.device
+        if min_val.dim() == 0 and bool(min_val > max_val):
+            warn_unobserved(type(self).__name__)
+            scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
+        else:
+            scale, zero_point = self._one_batch(min_val, max_val)
+        best = self._vote(scale, zero_point)
+        return torch.tensor(best[0], device=device), torch.tensor(
+            best[1], device=device
+        )
+
+
+class PerTensorPowOf2MinMSEObserver(_LastBatchMixin, PerTensorPowOf2MinMaxObserver):
+    """`PerTensorPowOf2MinMaxObserver`'s scale, shifted by the least squared
+    error on the last batch (module docstring)."""
+
+    def _one_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero_point, data = self._take_batch(min_val, max_val)
+        best = _best_shift(
+            data.reshape(1, 1, -1), scale.reshape(1, -1, 1), zero_point, self
+        )
+        return scale * 2.0**best, zero_point
+
+
+class PerChannelPowOf2MinMaxObserver(_Pow2Mixin, PerChannelMinMaxObserver):
+    """Per-channel power-of-two scales, the most frequent vector over calls.
+
+    Returns `(C,)` float32 scales and int32 zero points.
+    """
+
+    @classmethod
+    def check_spec(cls, spec: QTensorConfig) -> None:
+        """int8, uint8, int32 per channel."""
+        super().check_spec(spec)
+        _check_pow2_dtype(cls, spec)
+
+    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)
+        self._votes = []
+
+    @property
+    def record_scale_zp(self) -> list[torch.Tensor]:
+        """Every call's `cat([scale, zero_point])` (Quark's attribute)."""
+        return [torch.tensor(vote) for vote in self._votes]
+
+    def _one_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pow2_candidate(min_val, max_val)
+
+    def calculate_qparams(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this range's candidates; return the most frequent vector."""
+        device = min_val.device
+        if min_val.dim() == 0 and bool(min_val > max_val):
+            warn_unobserved(type(self).__name__)
+            scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
+        else:
+            scale, zero_point = self._one_batch(min_val, max_val)
+        best = self._vote(scale, zero_point)
+        half = len(best) // 2
+        return (
+            torch.tensor(best[:half], device=device),
+            torch.tensor(best[half:], dtype=torch.int32, device=device),
+        )
+
+
+class PerChannelPowOf2MinMSEObserver(_LastBatchMixin, PerChannelPowOf2MinMaxObserver):
+    """Per-channel power-of-two scales, all shifted by one `2**k` of least
+    summed squared error on the last batch (module docstring)."""
+
+    def _one_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, zero_point, data = self._take_batch(min_val, max_val)
+        view = channel_view(data, int(self.ch_axis or 0))  # (pre, C, post)
+        best = _best_shift(
+            view, scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1), self
+        )
+        return scale * 2.0**best, zero_point
+
+
+def _best_shift(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    owner: _Pow2Mixin,
+) -> int:
+    """The `k` of `_SHIFTS` whose `scale * 2**k` least distorts `data`.
+
+    Args:
+        data: `(pre, C, post)` values.
+        scale: `(1, C, 1)` power-of-two scales.
+        zero_point: zero points broadcastable to `scale`.
+        owner: the observer (its `quant_min` / `quant_max`).
+    """
+    values = data.float()
+    zp = zero_point.float()
+    best, best_err = _SHIFTS[0], float("inf")
+    for shift in _SHIFTS:  # five candidates, each one pass over the batch
+        trial = scale * 2.0**shift
+        q = (
+            torch.round(values / trial)
+            .add_(zp)
+            .clamp_(owner.quant_min, owner.quant_max)
+        )
+        err = float(q.sub_(zp).mul_(trial).sub_(values).double().square_().sum())
+        if err < best_err:
+            best, best_err = shift, err
+    return best

@@ -1,0 +1,551 @@
+"""The Quark-style quantization spec: `QTensorConfig` (alias `QuantizationSpec`).
+
+Field names, enum names and enum values follow AMD Quark 0.13
+(`quark.torch.quantization.config`), so a config written for Quark reads the
+same here. Every field also takes a plain string (`dtype="int8"`,
+`qscheme="per_group"`, `round_method="half_even"`) or Quark's own enum member;
+an observer also accepts Quark's own `QTensorConfig` (converted field by field
+with `as_spec`).
+
+Validation happens at construction and names the bad value and the fix. The
+rules are Quark's (its required fields per dtype, its qscheme / observer
+pairs) plus the combinations Quark accepts but computes nonsense for
+(asymmetric float formats, an FP4 spec without a scale format, a 2-D
+`per_block` qscheme that no observer implements)::
+
+    dtype                    needs                                 observer_cls
+    int*, uint*              qscheme, is_dynamic, symmetric,       required
+                             round_method, scale_type
+    fp8_e4m3, fp8_e5m2       qscheme, is_dynamic                   required
+    fp4, fp6_e2m3, fp6_e3m2  qscheme, scale_format                 required
+    mx                       ch_axis, group_size, mx_element_dtype None or MX
+    bfp16                    ch_axis, group_size (8)               None or BFP
+    float16, bfloat16        -                                     Placeholder
+
+    (MX: PerBlockMXObserver, BFP: PerBlockBFPObserver, Placeholder:
+    PlaceholderObserver.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any, TypeVar
+
+import torch
+
+from quantobs.core.formats import NumberFormat, get_format
+
+__all__ = [
+    "MX_ELEMENT_DTYPES",
+    "Dtype",
+    "QSchemeType",
+    "QTensorConfig",
+    "QuantizationSpec",
+    "RoundType",
+    "ScaleType",
+    "ZeroPointType",
+    "as_spec",
+    "element_format",
+    "mx_element_params",
+    "observer_class",
+    "quant_range",
+    "register_observer",
+]
+
+
+class Dtype(Enum):
+    """Quantized data types (Quark's members; some are rejected, see `_SUPPORTED`)."""
+
+    int8 = "int8"
+    uint8 = "uint8"
+    uint16 = "uint16"
+    int16 = "int16"
+    int32 = "int32"
+    int4 = "int4"
+    uint4 = "uint4"
+    int3 = "int3"
+    int2 = "int2"
+    uint2 = "uint2"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    fp8_e5m2 = "fp8_e5m2"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m3 = "fp8_e5m3"
+    fp6_e3m2 = "fp6_e3m2"
+    fp6_e2m3 = "fp6_e2m3"
+    fp4 = "fp4"
+    mx = "mx"
+    mx6 = "mx6"
+    mx9 = "mx9"
+    bfp16 = "bfp16"
+
+
+class QSchemeType(Enum):
+    """Granularity of the scales."""
+
+    per_tensor = "per_tensor"
+    per_channel = "per_channel"
+    per_group = "per_group"
+    per_block = "per_block"
+
+
+class ScaleType(Enum):
+    """Kind of scale: `float` keeps the model's dtype, `float32` / `float16` /
+    `bfloat16` cast to it, `pof2` rounds to a power of two."""
+
+    float = "float"
+    pof2 = "pof2"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float8_e5m3 = "float8_e5m3"
+    float8_e8m0fnu = "float8_e8m0fnu"
+
+    def to_torch_dtype(self) -> torch.dtype | None:
+        """The dtype scales are cast to (`None`: keep the computed dtype)."""
+        return _SCALE_TORCH_DTYPES.get(self)
+
+
+_SCALE_TORCH_DTYPES = {
+    ScaleType.float32: torch.float32,
+    ScaleType.float16: torch.float16,
+    ScaleType.bfloat16: torch.bfloat16,
+}
+
+
+class RoundType(Enum):
+    """Rounding of the quantizer (observers record it; none of them rounds)."""
+
+    round = 2
+    floor = 3
+    half_even = 8
+
+
+class ZeroPointType(Enum):
+    """`int32`: integer zero points; `float32`: `-min / scale` unrounded."""
+
+    int32 = "int32"
+    float32 = "float32"
+
+
+_INT_DTYPES = (
+    Dtype.int8, Dtype.uint8, Dtype.int16, Dtype.uint16, Dtype.int32,
+    Dtype.int4, Dtype.uint4, Dtype.int3, Dtype.int2, Dtype.uint2,
+)  # fmt: skip
+_FP8_DTYPES = (Dtype.fp8_e4m3, Dtype.fp8_e5m2)
+_SMALL_FLOAT_DTYPES = (Dtype.fp4, Dtype.fp6_e2m3, Dtype.fp6_e3m2)
+_CAST_DTYPES = (Dtype.float16, Dtype.bfloat16)
+_SUPPORTED = (
+    *_INT_DTYPES, *_FP8_DTYPES, *_SMALL_FLOAT_DTYPES, *_CAST_DTYPES,
+    Dtype.mx, Dtype.bfp16,
+)  # fmt: skip
+MX_ELEMENT_DTYPES = (*_SMALL_FLOAT_DTYPES, *_FP8_DTYPES, Dtype.int8)
+SCALE_FORMATS = ("float32", "e8m0", "e4m3")
+SCALE_MODES = ("even", "floor", "ceil")
+BFP16_BLOCK = 8
+
+
+def _wide_int(bits: int, signed: bool) -> NumberFormat:
+    """Integer formats wider than the core table's (int16, uint16, int32)."""
+    lo = -(1 << (bits - 1)) if signed else 0
+    name = f"{'' if signed else 'u'}int{bits}"
+    torch_dtype = {"int16": torch.int16, "int32": torch.int32}.get(name)
+    return NumberFormat(
+        name, bits, False, signed, float(lo), float(lo + (1 << bits) - 1),
+        0, 0, 0, 1.0, 1.0, torch_dtype,
+    )  # fmt: skip
+
+
+_CORE_FORMATS = {
+    Dtype.int8: "int8", Dtype.uint8: "uint8", Dtype.int4: "int4",
+    Dtype.uint4: "uint4", Dtype.int3: "int3", Dtype.int2: "int2",
+    Dtype.uint2: "uint2", Dtype.fp8_e4m3: "float8_e4m3fn",
+    Dtype.fp8_e5m2: "float8_e5m2", Dtype.fp6_e2m3: "float6_e2m3fn",
+    Dtype.fp6_e3m2: "float6_e3m2fn", Dtype.fp4: "float4_e2m1fn",
+}  # fmt: skip
+_FORMATS: dict[Dtype, NumberFormat] = {
+    **{dtype: get_format(name) for dtype, name in _CORE_FORMATS.items()},
+    Dtype.int16: _wide_int(16, True),
+    Dtype.uint16: _wide_int(16, False),
+    Dtype.int32: _wide_int(32, True),
+}
+
+
+def element_format(dtype: Dtype) -> NumberFormat:
+    """The number format the values of `dtype` are rounded to.
+
+    Raises:
+        ValueError: `dtype` has no element format (`mx`, `bfp16`, float16...).
+    """
+    try:
+        return _FORMATS[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype.value!r} has no element format; use an integer, "
+            "fp8, fp6 or fp4 dtype"
+        ) from None
+
+
+def quant_range(dtype: Dtype) -> tuple[float, float]:
+    """`(qmin, qmax)` of `dtype` as Quark's `calculate_qmin_qmax` gives them:
+    Python ints for integer dtypes (`(-128, 127)` for int8), floats for float
+    formats (`(-448.0, 448.0)` for fp8_e4m3)."""
+    fmt = element_format(dtype)
+    if fmt.is_float:
+        return fmt.min, fmt.max
+    return int(fmt.min), int(fmt.max)
+
+
+def mx_element_params(dtype: Dtype) -> tuple[int, int]:
+    """`(mantissa_bits, emax)` of an MX element format.
+
+    Float elements: the format's own (fp4 `(1, 2)`, fp6_e2m3 `(3, 2)`,
+    fp6_e3m2 `(2, 4)`, fp8_e4m3 `(3, 8)`, fp8_e5m2 `(2, 15)`). int8 elements
+    are OCP MXINT8's fixed-point `q * 2**-6` (|values| < 2), so `emax` is 0
+    and all 8 bits count as mantissa: the shared scale is `2**exponent(amax)`
+    and the integer step is `scale / 64`.
+    """
+    if dtype == Dtype.int8:
+        return 8, 0
+    if dtype not in MX_ELEMENT_DTYPES:
+        valid = ", ".join(d.value for d in MX_ELEMENT_DTYPES)
+        raise ValueError(
+            f"{dtype.value!r} is not an MX element dtype; use one of {valid}"
+        )
+    fmt = element_format(dtype)
+    return fmt.mantissa_bits, fmt.emax
+
+
+# ---------------------------------------------------------------- coercion
+
+E = TypeVar("E", bound=Enum)
+
+
+def _coerce(enum: type[E], value: Any, field: str) -> E:
+    """An `enum` member from a member, a foreign enum (Quark's), a value or a name."""
+    if isinstance(value, enum):
+        return value
+    raw = value.value if isinstance(value, Enum) else value
+    for member in enum:
+        if member.value == raw:
+            return member
+    if isinstance(raw, str):
+        key = raw.strip().lower()
+        for member in enum:
+            if member.name == key or str(member.value) == key:
+                return member
+    valid = ", ".join(repr(m.name) for m in enum)
+    raise ValueError(f"{field}={value!r} is not valid; use one of {valid}")
+
+
+def _optional(enum: type[E], value: Any, field: str) -> E | None:
+    return None if value is None else _coerce(enum, value, field)
+
+
+# Observer classes by name, filled by `quantobs.faces.quark.base.ObserverBase`
+# subclasses as they are defined (`register_observer`).
+_OBSERVERS: dict[str, type] = {}
+
+
+def register_observer(cls: type) -> None:
+    """Make `cls` known to specs by its class name (done by `ObserverBase`)."""
+    _OBSERVERS[cls.__name__] = cls
+
+
+def observer_class(value: Any) -> type:
+    """Our observer class for a class (ours or Quark's) or a class name.
+
+    Raises:
+        ValueError: no observer of that name in `quantobs.faces.quark`.
+    """
+    name = value if isinstance(value, str) else getattr(value, "__name__", None)
+    found = _OBSERVERS.get(name) if isinstance(name, str) else None
+    if found is None or _abstract(found):
+        valid = ", ".join(sorted(n for n, c in _OBSERVERS.items() if not _abstract(c)))
+        raise ValueError(
+            f"observer_cls={value!r} is not an observer of quantobs.faces.quark; use "
+            f"one of {valid}"
+        )
+    return found
+
+
+def _abstract(cls: type) -> bool:
+    check = getattr(cls, "is_abstract", None)
+    return bool(check()) if callable(check) else False
+
+
+def _check_int(value: Any, field: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}={value!r} must be an int; {fix}")
+
+
+# ---------------------------------------------------------------- the spec
+
+
+@dataclasses.dataclass(eq=True)
+class QTensorConfig:
+    """How one tensor is quantized: Quark 0.13's `QTensorConfig`, validated.
+
+    Attributes:
+        dtype: quantized data type (`Dtype` or its name).
+        observer_cls: observer class (ours, Quark's of the same name, or a
+            name).
+        is_dynamic: qparams computed per batch at run time (no accumulation).
+        qscheme: `per_tensor`, `per_channel` or `per_group`.
+        ch_axis: channel axis (per_channel), or the axis groups / MX blocks
+            run along (per_group, mx, bfp16).
+        group_size: elements per group or block (`-1`: the whole axis).
+        block_size: Quark's 2-D block size (`per_block`, not supported).
+        symmetric: symmetric range (zero point 0); `None` for float formats.
+        round_method: quantizer rounding (recorded, not used by observers).
+        scale_type: `float` (model dtype), `float32`, `float16`, `bfloat16`,
+            `pof2` (power-of-two scales), ...
+        scale_format: `float32`, `e8m0` (power-of-two MX scale) or `e4m3`
+            (two-level FP8 scales) for fp4 / fp6 / MX.
+        scale_calculation_mode: e8m0 exponent rounding: `even` (default),
+            `floor` or `ceil`.
+        qat_spec: Quark's QAT settings (kept, unused).
+        mx_element_dtype: element dtype when `dtype` is `mx`.
+        zero_point_type: `int32` or `float32` (`-min / scale`, asymmetric).
+        is_scale_quant: Quark's flag for specs of scales (kept, unused).
+        enable_buffer_reuse: Quark's MX buffer-reuse flag (kept, unused).
+        max_input_numel: Quark's buffer-reuse bound (kept, unused).
+
+    Raises:
+        ValueError: an unknown value or an invalid combination (see the
+            module's table); the message names the field and the fix.
+    """
+
+    dtype: Dtype
+    observer_cls: Any = None
+    is_dynamic: bool | None = None
+    qscheme: QSchemeType | None = None
+    ch_axis: int | None = None
+    group_size: int | None = None
+    block_size: tuple[int, int] | None = None
+    symmetric: bool | None = None
+    round_method: RoundType | None = None
+    scale_type: ScaleType | None = None
+    scale_format: str | None = None
+    scale_calculation_mode: str | None = None
+    qat_spec: Any = None
+    mx_element_dtype: Dtype | None = None
+    zero_point_type: ZeroPointType | None = ZeroPointType.int32
+    is_scale_quant: bool = False
+    enable_buffer_reuse: bool = False
+    max_input_numel: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        self.dtype = _coerce(Dtype, self.dtype, "dtype")
+        self.qscheme = _optional(QSchemeType, self.qscheme, "qscheme")
+        self.scale_type = _optional(ScaleType, self.scale_type, "scale_type")
+        self.round_method = _optional(RoundType, self.round_method, "round_method")
+        self.zero_point_type = _optional(
+            ZeroPointType, self.zero_point_type, "zero_point_type"
+        )
+        self.mx_element_dtype = _optional(
+            Dtype, self.mx_element_dtype, "mx_element_dtype"
+        )
+        if self.observer_cls is not None:
+            self.observer_cls = observer_class(self.observer_cls)
+        for field in ("scale_format", "scale_calculation_mode"):
+            value = getattr(self, field)
+            if isinstance(value, str):
+                setattr(self, field, value.strip().lower())
+        self._validate()
+
+    # -- validation ---------------------------------------------------------
+
+    def _validate(self) -> None:
+        dtype = self.dtype
+        if dtype not in _SUPPORTED:
+            valid = ", ".join(d.value for d in _SUPPORTED)
+            raise ValueError(
+                f"dtype={dtype.value!r} is not supported by quantobs.faces.quark; use "
+                f"one of {valid}"
+            )
+        self._validate_common()
+        if dtype in _CAST_DTYPES:
+            if self.observer_cls is None or self.observer_cls.__name__ != (
+                "PlaceholderObserver"
+            ):
+                raise ValueError(
+                    f"dtype={dtype.value!r} is a plain cast: set "
+                    f"observer_cls=PlaceholderObserver (got {self.observer_cls!r})"
+                )
+            return
+        if dtype in (Dtype.mx, Dtype.bfp16):
+            self._validate_block_dtype()
+            return
+        self._validate_scaled()
+
+    def _validate_common(self) -> None:
+        if self.ch_axis is not None:
+            _check_int(self.ch_axis, "ch_axis", "pass the axis index, e.g. -1")
+        if self.group_size is not None:
+            _check_int(self.group_size, "group_size", "e.g. group_size=128")
+            if not (self.group_size > 0 or self.group_size == -1):
+                raise ValueError(
+                    f"group_size={self.group_size} must be positive, or -1 for "
+                    "the whole axis"
+                )
+        if self.scale_format is not None and self.scale_format not in SCALE_FORMATS:
+            hint = (
+                " (e5m3 scales are not supported)"
+                if self.scale_format == ("e5m3")
+                else ""
+            )
+            raise ValueError(
+                f"scale_format={self.scale_format!r} is not supported{hint}; use "
+                f"one of {', '.join(SCALE_FORMATS)}"
+            )
+        mode = self.scale_calculation_mode
+        if mode is not None and mode not in SCALE_MODES:
+            raise ValueError(
+                f"scale_calculation_mode={mode!r} is not valid; use one of "
+                f"{', '.join(SCALE_MODES)}"
+            )
+        if self.qscheme == QSchemeType.per_block:
+            raise ValueError(
+                "qscheme='per_block' (2-D blocks) has no observer in Quark 0.13 "
+                "or here; use 'per_group' with group_size, or 'per_channel'"
+            )
+
+    def _validate_block_dtype(self) -> None:
+        name = self.dtype.value
+        for field in ("ch_axis", "group_size"):
+            if getattr(self, field) is None:
+                raise ValueError(f"dtype={name!r} needs {field} (e.g. ch_axis=-1)")
+        if self.dtype == Dtype.mx:
+            if self.mx_element_dtype not in MX_ELEMENT_DTYPES:
+                valid = ", ".join(d.value for d in MX_ELEMENT_DTYPES)
+                raise ValueError(
+                    f"dtype='mx' needs mx_element_dtype in {valid}, got "
+                    f"{self.mx_element_dtype!r}"
+                )
+            if self.scale_format not in (None, "e8m0"):
+                raise ValueError(
+                    f"dtype='mx' has e8m0 scales; scale_format="
+                    f"{self.scale_format!r} must be None or 'e8m0'"
+                )
+            allowed = "PerBlockMXObserver"
+        else:
+            if self.group_size != BFP16_BLOCK:
+                raise ValueError(
+                    f"bfp16 blocks are {BFP16_BLOCK} elements; set group_size="
+                    f"{BFP16_BLOCK} (got {self.group_size})"
+                )
+            allowed = "PerBlockBFPObserver"
+        if self.observer_cls is not None and self.observer_cls.__name__ != allowed:
+            raise ValueError(
+                f"dtype={name!r} is observed by {allowed}, got observer_cls="
+                f"{self.observer_cls.__name__}; use {allowed} or None"
+            )
+
+    def _validate_scaled(self) -> None:
+        name = self.dtype.value
+        if self.observer_cls is None:
+            raise ValueError(
+                f"dtype={name!r} needs observer_cls (e.g. PerTensorMinMaxObserver)"
+            )
+        if self.qscheme is None:
+            raise ValueError(
+                f"dtype={name!r} needs qscheme ('per_tensor', 'per_channel' or "
+                "'per_group')"
+            )
+        required = ["is_dynamic"] if self.dtype not in _SMALL_FLOAT_DTYPES else []
+        if self.dtype in _INT_DTYPES:
+            required += ["symmetric", "round_method", "scale_type"]
+        for field in required:
+            if getattr(self, field) is None:
+                raise ValueError(f"dtype={name!r} needs {field}; it is None")
+        if self.dtype not in _INT_DTYPES:
+            if self.symmetric is False:
+                raise ValueError(
+                    f"dtype={name!r} is a float format without zero point; set "
+                    "symmetric=None (or True)"
+                )
+            if self.zero_point_type == ZeroPointType.float32:
+                raise ValueError(
+                    f"zero_point_type='float32' needs an integer dtype, got {name!r}"
+                )
+        if self.dtype in _SMALL_FLOAT_DTYPES and self.scale_format is None:
+            raise ValueError(
+                f"dtype={name!r} needs scale_format: 'e8m0' (OCP MX), 'float32' "
+                "(float scales) or 'e4m3' (two-level FP8 scales)"
+            )
+        observer = self.observer_cls
+        qschemes = getattr(observer, "qschemes", ())
+        if self.qscheme not in qschemes:
+            valid = ", ".join(q.value for q in qschemes) or "none"
+            raise ValueError(
+                f"{observer.__name__} does not support qscheme="
+                f"{self.qscheme.value!r}; it supports {valid}"
+            )
+        if self.qscheme == QSchemeType.per_channel and self.ch_axis is None:
+            raise ValueError("qscheme='per_channel' needs ch_axis (e.g. ch_axis=0)")
+        if self.qscheme == QSchemeType.per_group:
+            for field in ("ch_axis", "group_size"):
+                if getattr(self, field) is None:
+                    raise ValueError(
+                        f"qscheme='per_group' needs {field} (e.g. ch_axis=-1, "
+                        "group_size=128)"
+                    )
+        check = getattr(observer, "check_spec", None)
+        if check is not None:
+            check(self)
+
+    # -- Quark's helpers ----------------------------------------------------
+
+    def set_group_size(self, group_size: int) -> None:
+        """Change `group_size` (positive, or -1 for the whole axis)."""
+        _check_int(group_size, "group_size", "e.g. 128")
+        if not (group_size > 0 or group_size == -1):
+            raise ValueError(f"group_size={group_size} must be positive or -1")
+        self.group_size = group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values by field name (enums by name, the observer by class name)."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Enum):
+                value = value.name
+            elif field.name == "observer_cls" and value is not None:
+                value = value.__name__
+            out[field.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> QTensorConfig:
+        """Inverse of `to_dict`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown QTensorConfig fields {unknown}; valid: {sorted(names)}"
+            )
+        return cls(**config)
+
+
+QuantizationSpec = QTensorConfig
+
+
+def as_spec(qspec: Any) -> QTensorConfig:
+    """Our `QTensorConfig` from ours or any object with its fields (Quark's).
+
+    Raises:
+        TypeError: `qspec` has no `dtype`.
+        ValueError: the converted spec is invalid.
+    """
+    if isinstance(qspec, QTensorConfig):
+        return qspec
+    if not hasattr(qspec, "dtype"):
+        raise TypeError(
+            f"qspec must be a QTensorConfig (quantobs.faces.quark or Quark's), got "
+            f"{type(qspec).__name__}"
+        )
+    names = [f.name for f in dataclasses.fields(QTensorConfig)]
+    found = {name: getattr(qspec, name) for name in names if hasattr(qspec, name)}
+    return QTensorConfig(**found)

@@ -1,0 +1,1 @@
+"""Statistics: what observers keep of the batches they see."""

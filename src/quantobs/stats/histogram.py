@@ -1,0 +1,665 @@
+"""Batched exact-count histograms over the canonical layout, one per qparam.
+
+A `Histogram` holds, for every quantization parameter of `qparam_shape`,
+`bins` int64 counts over uniform bins whose width is a power of two and whose
+edges are multiples of that width (the grid is anchored at 0)::
+
+    bin i of qparam q covers  [(offset[q] + i) * 2**exponent[q],
+                               (offset[q] + i + 1) * 2**exponent[q])
+
+Range-growth rule. The grid of a qparam is a function of its data range
+`[lo, hi]` only (for an |x| histogram, `[0, max |x|]`)::
+
+    exponent = the smallest e >= e_floor with
+               floor(hi / 2**e) - floor(lo / 2**e) + 1 <= bins
+    offset   = floor(lo / 2**exponent)
+    e_floor  = max(-126, floor(log2(max(|lo|, |hi|))) - 61)
+
+`e_floor` keeps `x / 2**e` below 2**62 (exact int64 cell numbers) and `2**-e`
+a float32. The smallest fitting exponent only grows when the range grows, so
+when a batch widens the range, old bins are re-binned by an integer shift,
+`new_bin = ((offset + i) >> (e_new - e_old)) - offset_new`: each old bin lies
+inside one new bin, so re-binning moves whole counts and is exact. Binning is
+exact too: `x * 2**-e` is exact in float32 (a power-of-two scaling) and
+`floor` of it is the cell number.
+
+Merge error bound: **zero**. Because the grid depends only on the union range
+and every count is exact, the histogram of a set of values does not depend on
+how the values were split into batches or processes: `merge(a, b)` equals the
+histogram of the concatenation whatever the two ranges were, and merging is
+associative and commutative (an all-reduce gives the single-process result).
+The price is resolution: data spans between about `bins / 2` and `bins`
+bins (a power-of-two width is at most twice the width `range / bins`).
+Across processes: all-reduce `min_vals` (MIN) and `max_vals` (MAX), take
+`histogram_grid` of the result, `rebin` the local histogram to it and
+all-reduce the counts (SUM): the single-process histogram, exactly.
+
+One exception to exact binning, documented rather than paid for: a negative
+value so small that `x * 2**-e` underflows to `-0.0` (`|x| < 2**(e - 149)`,
+possible only for bins wider than 2) is counted in the cell `[0, w)` instead
+of `[-w, 0)`, or in the last bin if the window ends at 0.
+
+One-pass updates. Because grids nest, a per-tensor batch can be counted on
+the grid it is expected to need before its range is known (`speculate`: the
+histogram's grid, or for the first batch the grid of a small sample's range)
+in the same pass that finds its min/max; the values outside that window are
+set aside, and once the range is known the counts are re-binned exactly and
+the set-aside values binned (`update_histogram(..., speculation=...)`). The
+result is the two-pass histogram, bit for bit.
+
+Counts are int64 (exact past 2**24 per bin, where `torch.histc` saturates).
+Memory is `bins * num_qparams` int64 counts; `check_budget` refuses more than
+`max_counts` (default 2**26, 512 MiB) with an error that suggests a coarser
+granularity, fewer bins or a raw-data observer.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+
+from quantobs import native
+from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
+
+__all__ = [
+    "DEFAULT_BINS",
+    "DEFAULT_MAX_COUNTS",
+    "Histogram",
+    "Speculation",
+    "check_budget",
+    "empty_histogram",
+    "histogram_grid",
+    "histogram_of",
+    "merge_histograms",
+    "rebin",
+    "speculate",
+    "update_histogram",
+]
+
+DEFAULT_BINS = 2048
+DEFAULT_MAX_COUNTS = 1 << 26
+MIN_BINS = 8
+_MIN_EXPONENT = -126  # 2**-e stays a normal float32 multiplier
+_CELL_BITS = 61  # |x| / 2**e < 2**62: exact int64 cell numbers
+# Elements binned per step: one float32 and one int32 workspace of this size.
+_CHUNK_ELEMS = 1 << 18
+# Largest dense bincount output per step (qparams x bins), 2 MiB of int64.
+_CHUNK_COUNTS = 1 << 18
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Exact-count histograms of `qparam_shape` qparams, one grid each.
+
+    Attributes:
+        counts: `(*qparam_shape, bins)` int64 counts.
+        exponent: `(*qparam_shape,)` int64; the bin width is `2**exponent`.
+        offset: `(*qparam_shape,)` int64 cell number of the left edge of bin 0.
+        min_vals: `(*qparam_shape,)` float32 smallest finite value observed
+            (`+inf` where none).
+        max_vals: `(*qparam_shape,)` float32 largest finite value (`-inf`).
+        absolute: whether the counts are of `|x|` (the grid then spans
+            `[0, max |x|]`); `min_vals`/`max_vals` are of `x` either way.
+    """
+
+    counts: torch.Tensor
+    exponent: torch.Tensor
+    offset: torch.Tensor
+    min_vals: torch.Tensor
+    max_vals: torch.Tensor
+    absolute: bool = False
+
+    @property
+    def bins(self) -> int:
+        """Bins per qparam."""
+        return int(self.counts.shape[-1])
+
+    @property
+    def qparam_shape(self) -> tuple[int, ...]:
+        """The shape of the qparams."""
+        return tuple(self.min_vals.shape)
+
+    def total(self) -> torch.Tensor:
+        """`(*qparam_shape,)` int64 number of values counted per qparam."""
+        return self.counts.sum(dim=-1)
+
+    def edges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(left edge of bin 0, bin width)`, each `(*qparam_shape,)` float64."""
+        width = torch.ldexp(
+            torch.ones_like(self.exponent, dtype=torch.float64), self.exponent
+        )
+        return self.offset.to(torch.float64) * width, width
+
+    def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(lo, hi)` float32 range the grid covers data of: `[0, amax]` if absolute."""
+        return _grid_range(self.min_vals, self.max_vals, self.absolute)
+
+    def to_stats(self) -> dict[str, torch.Tensor]:
+        """The tensors, by field name (an observer's `_stats`)."""
+        return {
+            "counts": self.counts,
+            "exponent": self.exponent,
+            "offset": self.offset,
+            "min_vals": self.min_vals,
+            "max_vals": self.max_vals,
+        }
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, torch.Tensor], absolute: bool) -> Histogram:
+        """Inverse of `to_stats`."""
+        return cls(
+            stats["counts"],
+            stats["exponent"],
+            stats["offset"],
+            stats["min_vals"],
+            stats["max_vals"],
+            absolute,
+        )
+
+
+def check_budget(
+    num_qparams: int,
+    bins: int,
+    max_counts: int = DEFAULT_MAX_COUNTS,
+    what: str = "histogram",
+) -> None:
+    """Refuse histograms of more than `max_counts` counts.
+
+    Raises:
+        ValueError: `num_qparams * bins > max_counts`; the message gives the
+            memory and the ways out.
+    """
+    needed = num_qparams * bins
+    if needed > max_counts:
+        raise ValueError(
+            f"{what} would keep {num_qparams} qparams x {bins} bins = {needed} "
+            f"int64 counts ({needed * 8 / 2**20:.0f} MiB), above max_counts="
+            f"{max_counts}; use a coarser granularity (strategy 'tensor' or "
+            "'channel', a larger group_size), fewer bins, a larger max_counts, "
+            "or an observer that reads raw data ('memoryless_mse', 'static_mse')"
+        )
+
+
+def _grid_range(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, absolute: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not absolute:
+        return min_vals, max_vals
+    amax = torch.maximum(-min_vals, max_vals)  # -inf where empty
+    empty = min_vals > max_vals
+    lo = torch.where(empty, torch.full_like(amax, math.inf), torch.zeros_like(amax))
+    return lo, amax
+
+
+def _cells(values: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """`floor(values / 2**exponent)` as int64, exact (float64 power-of-two scaling)."""
+    return torch.floor(torch.ldexp(values.to(torch.float64), -exponent)).to(torch.int64)
+
+
+def histogram_grid(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical `(exponent, offset)` grid of each range (module docstring).
+
+    Args:
+        min_vals: `(*Q,)` float32 lower ends (`+inf` where there is no data).
+        max_vals: `(*Q,)` float32 upper ends (`-inf` where there is no data).
+        bins: bins per qparam.
+
+    Returns:
+        `(exponent, offset)`, each `(*Q,)` int64. Empty ranges get
+        `(-126, 0)`.
+    """
+    empty = min_vals > max_vals
+    lo = torch.where(empty, torch.zeros_like(min_vals), min_vals).to(torch.float64)
+    hi = torch.where(empty, torch.zeros_like(max_vals), max_vals).to(torch.float64)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    _, amax_exp = torch.frexp(amax)  # amax = m * 2**amax_exp, 0.5 <= m < 1
+    floor_exp = torch.clamp(
+        amax_exp.to(torch.int64) - 1 - _CELL_BITS, min=_MIN_EXPONENT
+    )
+    # (hi - lo) / 2**e <= bins - 1 guarantees a fit; the smallest fitting
+    # exponent is that bound or one below (checked exactly, with a margin).
+    ratio = (hi - lo) / (bins - 1)
+    mant, ratio_exp = torch.frexp(ratio)
+    upper = ratio_exp.to(torch.int64) - (mant == 0.5).to(torch.int64)
+    upper = torch.where(ratio > 0, upper, torch.full_like(upper, _MIN_EXPONENT))
+    exponent = torch.maximum(upper + 1, floor_exp)
+    for step in (0, -1, -2):
+        trial = torch.maximum(upper + step, floor_exp)
+        fits = _cells(hi, trial) - _cells(lo, trial) + 1 <= bins
+        exponent = torch.where(fits, trial, exponent)
+    exponent = torch.where(empty, torch.full_like(exponent, _MIN_EXPONENT), exponent)
+    offset = torch.where(empty, torch.zeros_like(exponent), _cells(lo, exponent))
+    return exponent, offset
+
+
+def empty_histogram(
+    qparam_shape: tuple[int, ...],
+    bins: int = DEFAULT_BINS,
+    absolute: bool = False,
+    device: torch.device | str | None = None,
+) -> Histogram:
+    """A histogram with no data (the identity of `merge_histograms`)."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < MIN_BINS:
+        raise ValueError(f"bins must be an int >= {MIN_BINS}, got {bins!r}")
+    shape = tuple(qparam_shape)
+    return Histogram(
+        counts=torch.zeros(*shape, bins, dtype=torch.int64, device=device),
+        exponent=torch.full(shape, _MIN_EXPONENT, dtype=torch.int64, device=device),
+        offset=torch.zeros(shape, dtype=torch.int64, device=device),
+        min_vals=torch.full(shape, math.inf, dtype=torch.float32, device=device),
+        max_vals=torch.full(shape, -math.inf, dtype=torch.float32, device=device),
+        absolute=absolute,
+    )
+
+
+def rebin(hist: Histogram, exponent: torch.Tensor, offset: torch.Tensor) -> Histogram:
+    """Move the counts to a coarser (or equal), aligned grid, exactly.
+
+    Args:
+        hist: the histogram.
+        exponent: `(*Q,)` new exponents, each `>= hist.exponent` where the
+            qparam has data.
+        offset: `(*Q,)` new offsets; the new window must contain every
+            non-empty old bin (true for the grid of any range containing the
+            old data range).
+
+    Returns:
+        The histogram on the new grid (same ranges). Qparams whose grid did not
+        change keep their counts; the rest move with one `scatter_add_`.
+    """
+    changed = (exponent != hist.exponent) | (offset != hist.offset)
+    changed &= hist.min_vals <= hist.max_vals  # qparams with no data: all zeros
+    if not bool(changed.any()):
+        return replace(hist, exponent=exponent, offset=offset)
+    bins = hist.bins
+    counts = hist.counts.reshape(-1, bins)
+    rows = changed.reshape(-1).nonzero().squeeze(1)
+    old_cells = hist.offset.reshape(-1)[rows, None] + torch.arange(
+        bins, device=counts.device
+    )  # (R, bins) cell numbers on the old grid
+    shift = (exponent - hist.exponent).reshape(-1)[rows, None].clamp(0, 63)
+    new_index = (old_cells >> shift) - offset.reshape(-1)[rows, None]
+    # Bins outside the new window are empty (the window covers the data).
+    new_index.clamp_(0, bins - 1)
+    moved = torch.zeros_like(counts[rows]).scatter_add_(1, new_index, counts[rows])
+    return replace(
+        hist,
+        counts=counts.index_copy(0, rows, moved).reshape(hist.counts.shape),
+        exponent=exponent,
+        offset=offset,
+    )
+
+
+def _chunks(n: int, q: int, g: int, stride: int) -> list[tuple[slice, slice, slice]]:
+    """Blocks of the `(n, q, g)` layout of at most `_CHUNK_ELEMS` elements.
+
+    Each block also keeps its dense `bincount` output (qparams x stride) under
+    `_CHUNK_COUNTS`. Blocks run along the slowest dim that fits.
+    """
+    q_step = max(1, min(q, _CHUNK_COUNTS // stride, _CHUNK_ELEMS // max(1, g)))
+    if q_step == q and q * g <= _CHUNK_ELEMS:
+        n_step = max(1, _CHUNK_ELEMS // max(1, q * g))
+        return [
+            (slice(n0, min(n, n0 + n_step)), slice(0, q), slice(0, g))
+            for n0 in range(0, n, n_step)
+        ]
+    g_step = g if g <= _CHUNK_ELEMS else _CHUNK_ELEMS
+    return [
+        (
+            slice(n0, n0 + 1),
+            slice(q0, min(q, q0 + q_step)),
+            slice(g0, min(g, g0 + g_step)),
+        )
+        for n0 in range(n)
+        for q0 in range(0, q, q_step)
+        for g0 in range(0, g, g_step)
+    ]
+
+
+def _bin_counts(
+    x_flat: torch.Tensor,
+    exponent: torch.Tensor,
+    offset: torch.Tensor,
+    out: torch.Tensor,
+    absolute: bool,
+    has_nonfinite: bool,
+) -> None:
+    """Add the counts of `x_flat` on the given grids to `out` `(Q, bins)` int64.
+
+    NaN entries (non-finite values under `nan_policy="omit"`) are counted in
+    a trash bin that is dropped. Each block is scaled, floored and shifted in
+    one float32 workspace (exact: see the module docstring), converted to
+    int32 and counted by one `bincount` over `qparam * stride + bin`.
+    """
+    n, g = x_flat.shape[0], x_flat.shape[-1]
+    x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
+    q = x3.shape[1]
+    bins = out.shape[-1]
+    device = x_flat.device
+    inv = torch.ldexp(torch.ones(q, dtype=torch.float64, device=device), -exponent)
+    inv = inv.to(torch.float32).reshape(1, q, 1)  # exact powers of two
+    off = offset.reshape(1, q, 1).to(torch.float32)  # exact: a float32 floor
+    fast = x3.dtype != torch.float64 and x3.device.type == "cpu" and native.available()
+    if fast and native.add_counts(
+        x3.to(torch.float32).contiguous(), inv.reshape(q), off.reshape(q), out, absolute
+    ):
+        return  # the same binning in one native pass (NaN skipped)
+    stride = bins + 1 if has_nonfinite else bins  # bin `bins`: the trash
+    blocks = _chunks(n, q, g, stride)
+    size = max(
+        (b[0].stop - b[0].start) * (b[1].stop - b[1].start) * (b[2].stop - b[2].start)
+        for b in blocks
+    )
+    work = torch.empty(size, dtype=torch.float32, device=device)
+    index = torch.empty(size, dtype=torch.int32, device=device)
+    q_base = torch.arange(q, dtype=torch.int32, device=device).reshape(1, q, 1) * stride
+    convert = x_flat.dtype == torch.float64  # bin float32 roundings, as min/max do
+    # The only index outside [0, bins) comes from the underflow exception of
+    # the module docstring (cell 0 instead of -1), and only when cell 0 lies
+    # outside the window; clamp (one more pass) only then.
+    clamp = has_nonfinite or not bool(
+        ((offset <= 0) & (offset + bins > 0) | (offset >= 0)).all()
+    )
+    one = q == 1  # one qparam: Python scalars, and the counts summed once
+    scale: torch.Tensor | float = float(inv) if one else inv
+    shift: torch.Tensor | float = float(off) if one else off
+    found_all = []
+    for ns, qs, gs in blocks:
+        block = x3[ns, qs, gs]
+        shape = block.shape
+        buf = work[: block.numel()].view(shape)
+        block_scale = scale if one else inv[:, qs]
+        if convert:
+            buf.copy_(block).mul_(block_scale)
+        else:
+            torch.mul(block, block_scale, out=buf)
+        if absolute:
+            buf.abs_()
+        buf.floor_().sub_(shift if one else off[:, qs])
+        if clamp:
+            buf.clamp_(0, bins - 1)
+        if has_nonfinite:
+            buf.nan_to_num_(nan=float(bins))
+        idx = index[: block.numel()].view(shape)
+        idx.copy_(buf)
+        num_q = shape[1]
+        if num_q > 1:
+            idx.add_(q_base[:, :num_q])  # qparam (within the block) * stride
+        found = torch.bincount(idx.reshape(-1), minlength=num_q * stride)
+        if one:
+            found_all.append(found)
+        else:
+            out[qs] += found.view(num_q, stride)[:, :bins]
+    if found_all:
+        out += torch.stack(found_all).sum(dim=0)[:bins]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A per-tensor batch counted on a grid in the same pass that found its
+    min/max (`speculate`); `update_histogram` completes it.
+
+    Attributes:
+        batch: the batch (by weak reference: `matches` tells whether a later
+            update is of the same tensor object).
+        source: the grid `(exponent, offset)` of the histogram speculated on.
+        exponent, offset: the grid counted on (the histogram's, or for an
+            empty histogram one guessed from a sample of the batch).
+        batch_range: `(min, max)` of the batch, each `(*Q,)` float32 (NaN
+            when the batch holds NaN).
+        counts: `(bins,)` int64 counts of the values inside that grid's window.
+        side: the other values, 1-D.
+    """
+
+    batch: weakref.ref[torch.Tensor]
+    source: tuple[torch.Tensor, torch.Tensor]
+    exponent: torch.Tensor
+    offset: torch.Tensor
+    batch_range: tuple[torch.Tensor, torch.Tensor]
+    counts: torch.Tensor
+    side: torch.Tensor
+
+    def matches(self, hist: Histogram, x_flat: torch.Tensor) -> bool:
+        """Whether this speculation counted `x_flat` for `hist`."""
+        return (
+            self.batch() is x_flat
+            and torch.equal(self.source[0], hist.exponent)
+            and torch.equal(self.source[1], hist.offset)
+        )
+
+
+# Values set aside as tiny are below 2**-100: a grid up to this exponent
+# cannot underflow the others (see qo_histogram_pass).
+_SPECULATION_MAX_EXPONENT = 49
+_SPECULATION_MIN_ELEMS = 1 << 16  # smaller batches: two passes cost little
+_SAMPLE = 4096  # values sampled to guess a first grid
+
+
+def _guess_grid(
+    hist: Histogram, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The histogram's grid, or for an empty one the grid of a sample's range."""
+    if bool((hist.min_vals <= hist.max_vals).all()):
+        return hist.exponent, hist.offset
+    sample = values[:: max(1, values.numel() // _SAMPLE)]
+    low, high = torch.aminmax(sample)
+    if not bool(torch.isfinite(low) & torch.isfinite(high)):
+        return None
+    shape = hist.min_vals.shape
+    return histogram_grid(
+        *_grid_range(low.reshape(shape), high.reshape(shape), hist.absolute),
+        hist.bins,
+    )
+
+
+def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
+    """Count a per-tensor batch on a known grid while finding its min/max.
+
+    Calibration batches mostly fall inside the range seen so far, so one
+    pass over the batch can do what otherwise takes two: values inside the
+    window of the histogram's grid (for an empty histogram, of a grid
+    guessed from a sample) are counted there, the few others set aside, and
+    `update_histogram` re-bins the counts once the batch's range is known
+    (exact: power-of-two grids nest) and bins the rest. None where it does
+    not apply: more than one qparam, small or non-float32 batches, no native
+    kernels, or more values outside the window than the budget.
+    """
+    if math.prod(hist.qparam_shape) != 1 or x_flat.dtype != torch.float32:
+        return None
+    if x_flat.numel() < _SPECULATION_MIN_ELEMS or not native.available():
+        return None
+    values = x_flat.reshape(-1)
+    grid = _guess_grid(hist, values)
+    if grid is None or int(grid[0].reshape(-1)[0]) > _SPECULATION_MAX_EXPONENT:
+        return None
+    exponent, offset = grid
+    threads = max(1, torch.get_num_threads())
+    cap = max(1 << 12, values.numel() // threads >> 7)
+    found = native.histogram_pass(
+        values,
+        2.0 ** -int(exponent.reshape(-1)[0]),
+        float(offset.reshape(-1)[0]),
+        hist.bins,
+        hist.absolute,
+        cap,
+    )
+    if found is None:
+        return None
+    ends, counts, side = found
+    if side is None:  # too many values outside the window
+        return None
+    if bool(side.isnan().any()):  # the kernel's min/max skip NaN
+        ends = torch.full_like(ends, math.nan)
+    shape = hist.min_vals.shape
+    return Speculation(
+        batch=weakref.ref(x_flat),
+        source=(hist.exponent, hist.offset),
+        exponent=exponent,
+        offset=offset,
+        batch_range=(ends[0].reshape(shape), ends[1].reshape(shape)),
+        counts=counts,
+        side=side,
+    )
+
+
+def _complete(
+    hist: Histogram, spec: Speculation, lo: torch.Tensor, hi: torch.Tensor
+) -> Histogram | None:
+    """`hist` plus a speculated batch of range `[lo, hi]`, or None (count again)."""
+    counted = Histogram(
+        counts=hist.counts + spec.counts.view(hist.counts.shape),
+        exponent=spec.exponent,
+        offset=spec.offset,
+        min_vals=torch.minimum(hist.min_vals, lo),  # holds data: rebin moves it
+        max_vals=torch.maximum(hist.max_vals, hi),
+        absolute=hist.absolute,
+    )
+    joined = _union(counted, lo, hi)
+    if int(joined.exponent.max()) > _SPECULATION_MAX_EXPONENT:
+        return None
+    if spec.side.numel():
+        _bin_counts(
+            spec.side.reshape(1, -1, spec.side.numel()),
+            joined.exponent.reshape(-1),
+            joined.offset.reshape(-1),
+            joined.counts.view(-1, hist.bins),
+            hist.absolute,
+            False,
+        )
+    return joined
+
+
+def _union(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:
+    """`hist` re-binned to the grid of its data range joined with `[lo, hi]`."""
+    min_vals = torch.minimum(hist.min_vals, lo)
+    max_vals = torch.maximum(hist.max_vals, hi)
+    exponent, offset = histogram_grid(
+        *_grid_range(min_vals, max_vals, hist.absolute), hist.bins
+    )
+    moved = rebin(hist, exponent, offset)
+    return replace(moved, min_vals=min_vals, max_vals=max_vals)
+
+
+def update_histogram(
+    hist: Histogram,
+    x_flat: torch.Tensor,
+    batch_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    has_nonfinite: bool = False,
+    inplace: bool = False,
+    speculation: Speculation | None = None,
+) -> Histogram:
+    """Fold a batch into a histogram (the grid grows if the range does).
+
+    Args:
+        hist: the histogram so far (`empty_histogram` for none).
+        x_flat: `(N, *Q, G)` values; NaN entries are skipped when
+            `has_nonfinite` (other non-finite values must not be present).
+        batch_range: the finite `(min, max)` of the batch per qparam
+            (`(+inf, -inf)` where a qparam has no finite value), if known.
+        has_nonfinite: whether `x_flat` holds NaN entries to skip.
+        inplace: add the counts into `hist.counts` (which the caller gives up)
+            instead of a copy.
+        speculation: `speculate(hist, x_flat)`, if the caller made it: the
+            batch is then not read again (unless it must be).
+
+    Returns:
+        The new histogram; its counts equal `histogram_of` the concatenation
+        of every batch.
+
+    Raises:
+        ValueError: `x_flat` does not match the histogram's qparam shape.
+    """
+    qshape = tuple(x_flat.shape[1:-1])
+    if qshape != hist.qparam_shape:
+        raise ValueError(
+            f"x_flat of qparam shape {qshape} does not match the histogram's "
+            f"{hist.qparam_shape}"
+        )
+    if batch_range is None:
+        batch_range = minmax_omit_nonfinite(x_flat) if has_nonfinite else minmax(x_flat)
+    lo, hi = batch_range[0].float(), batch_range[1].float()
+    if (
+        speculation is not None
+        and not has_nonfinite
+        and speculation.matches(hist, x_flat)
+    ):
+        done = _complete(hist, speculation, lo, hi)
+        if done is not None:
+            return done
+    joined = _union(hist, lo, hi)
+    counts = joined.counts
+    if counts is hist.counts and not inplace:  # not re-binned: still shared
+        counts = counts.clone()
+    _bin_counts(
+        x_flat,
+        joined.exponent.reshape(-1),
+        joined.offset.reshape(-1),
+        counts.view(-1, hist.bins),
+        hist.absolute,
+        has_nonfinite,
+    )
+    return replace(joined, counts=counts)
+
+
+def histogram_of(
+    x_flat: torch.Tensor,
+    bins: int = DEFAULT_BINS,
+    absolute: bool = False,
+    *,
+    max_counts: int = DEFAULT_MAX_COUNTS,
+) -> Histogram:
+    """The histogram of one tensor in the canonical layout.
+
+    Args:
+        x_flat: `(N, *Q, G)` values; non-finite values are skipped.
+        bins: bins per qparam (at least 8).
+        absolute: count `|x|` (grid over `[0, max |x|]`).
+        max_counts: memory budget, see `check_budget`.
+
+    Returns:
+        The `Histogram` of qparam shape `Q`.
+    """
+    qshape = tuple(x_flat.shape[1:-1])
+    check_budget(math.prod(qshape), bins, max_counts)
+    batch_range = minmax(x_flat)
+    finite = bool(
+        torch.isfinite(batch_range[0]).all() & torch.isfinite(batch_range[1]).all()
+    )
+    if not finite:
+        batch_range = minmax_omit_nonfinite(x_flat)
+        x_flat = torch.where(torch.isfinite(x_flat), x_flat, math.nan)
+    return update_histogram(
+        empty_histogram(qshape, bins, absolute, x_flat.device),
+        x_flat,
+        batch_range,
+        has_nonfinite=not finite,
+        inplace=True,
+    )
+
+
+def merge_histograms(a: Histogram, b: Histogram) -> Histogram:
+    """The histogram of both histograms' data: exact and order-free.
+
+    Both are re-binned to the grid of the union range (a coarsening of both
+    grids, exact) and added; the result equals the histogram of the
+    concatenated data, so merging is associative and commutative.
+
+    Raises:
+        ValueError: different qparam shapes, bins or `absolute`.
+    """
+    if a.counts.shape != b.counts.shape or a.absolute != b.absolute:
+        raise ValueError(
+            f"cannot merge histograms of counts {tuple(a.counts.shape)} "
+            f"(absolute={a.absolute}) and {tuple(b.counts.shape)} "
+            f"(absolute={b.absolute}); use the same qparam shape, bins and "
+            "absolute setting"
+        )
+    joined_a = _union(a, b.min_vals, b.max_vals)
+    joined_b = rebin(b, joined_a.exponent, joined_a.offset)
+    return replace(joined_a, counts=joined_a.counts + joined_b.counts)

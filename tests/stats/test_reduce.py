@@ -1,0 +1,78 @@
+"""Pure statistics: fast paths equal the canonical-layout reductions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from quantobs import QuantizationArgs, flatten_for_calibration
+from quantobs.core.layout import num_observations_of
+from quantobs.stats.reduce import (
+    lerp,
+    lerp_ranges,
+    merge_minmax,
+    merge_moving_average,
+    minmax,
+    minmax_of,
+    minmax_omit_nonfinite,
+    range_or_zero,
+)
+from tests.core.test_layout import CASES
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_minmax_of_equals_layout_reduction(
+    case: tuple[str, tuple[int, ...], dict[str, Any], tuple[int, ...]],
+    backend: str,
+) -> None:
+    base_name, shape, kwargs, expected = case
+    args = QuantizationArgs(**kwargs)
+    value = torch.randn(shape) + 0.3
+    flat = flatten_for_calibration(value, base_name, args)
+    reference = (flat.amin(dim=(0, -1)), flat.amax(dim=(0, -1)))
+    for got in (minmax(flat), minmax_of(value, base_name, args)):
+        assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    assert num_observations_of(shape, base_name, args) == expected[0]
+
+
+def test_minmax_is_float32_and_propagates_nan() -> None:
+    x = torch.randn(1, 4, 8, dtype=torch.bfloat16)
+    x[0, 2, 3] = float("nan")
+    min_vals, max_vals = minmax(x)
+    assert min_vals.dtype == torch.float32
+    assert torch.isnan(min_vals[2]) and torch.isnan(max_vals[2])
+    assert torch.isfinite(min_vals[[0, 1, 3]]).all()
+
+
+def test_omit_nonfinite_gives_empty_ranges() -> None:
+    x = torch.tensor([[[1.0, float("nan")], [float("inf"), float("nan")]]])
+    min_vals, max_vals = minmax_omit_nonfinite(x)
+    assert min_vals.tolist() == [1.0, float("inf")]
+    assert max_vals.tolist() == [1.0, float("-inf")]
+    zeroed = range_or_zero(min_vals, max_vals)
+    assert zeroed[0].tolist() == [1.0, 0.0] and zeroed[1].tolist() == [1.0, 0.0]
+    # the empty range is the identity of merge_minmax
+    merged = merge_minmax((min_vals, max_vals), (torch.tensor([2.0, -1.0]),) * 2)
+    assert merged[0].tolist() == [1.0, -1.0] and merged[1].tolist() == [2.0, -1.0]
+
+
+def test_lerp_matches_llm_compressor_form_and_skips_empty() -> None:
+    old, new = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])
+    assert torch.equal(lerp(old, new, 0.01), old * 0.99 + new * 0.01)
+    inf = float("inf")
+    low, high = lerp_ranges(
+        (torch.tensor([inf, -1.0]), torch.tensor([-inf, 1.0])),
+        (torch.tensor([-2.0, inf]), torch.tensor([2.0, -inf])),
+        0.5,
+    )
+    assert low.tolist() == [-2.0, -1.0] and high.tolist() == [2.0, 1.0]
+
+
+def test_merge_moving_average_is_count_weighted() -> None:
+    a, b = torch.tensor([1.0]), torch.tensor([4.0])
+    assert merge_moving_average(a, 1, b, 2).item() == 3.0
+    assert merge_moving_average(a, 0, b, 0).item() == 1.0
