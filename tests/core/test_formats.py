@@ -15,8 +15,11 @@ from hypothesis import strategies as st
 from quantobs.core.formats import FORMATS, NumberFormat, get_format, int_format
 
 NAMES = list(FORMATS)
+# Formats small enough to check every bit pattern (all but int16, uint16, int32).
+SMALL = [n for n in NAMES if FORMATS[n].bits <= 8]
+WIDE_INTS = {"int16": np.int16, "uint16": np.uint16, "int32": np.int32}
 FLOATS = [n for n in NAMES if FORMATS[n].is_float]
-INTS = [n for n in NAMES if not FORMATS[n].is_float]
+INTS = [n for n in SMALL if not FORMATS[n].is_float]
 NATIVE_FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"]
 E8M0_MIN = 2.0**-127
 # float32 subnormals that ml_dtypes and torch round up to 2**-126 (not nearest).
@@ -81,13 +84,13 @@ def random_float32(n: int, seed: int) -> np.ndarray:
 
 def test_table() -> None:
     ints = [f"{u}int{b}" for u in ("", "u") for b in range(2, 9)]
-    assert list(FORMATS) == ints + list(EMAX)
+    assert list(FORMATS) == [*ints, *WIDE_INTS, *EMAX]
     assert all(FORMATS[n].name == n for n in NAMES)
     with pytest.raises(dataclasses.FrozenInstanceError):
         FORMATS["int4"].max = 8.0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SMALL)
 def test_decode_matches_reference(name: str) -> None:
     fmt = FORMATS[name]
     codes = torch.arange(1 << fmt.bits)
@@ -118,10 +121,34 @@ def test_torch_dtypes() -> None:
         "float8_e4m3fn": torch.float8_e4m3fn,
         "float8_e5m2": torch.float8_e5m2,
         "float8_e8m0fnu": torch.float8_e8m0fnu,
+        "int16": torch.int16,
+        "uint16": torch.uint16,
+        "int32": torch.int32,
     }
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(WIDE_INTS))
+def test_wide_ints(name: str) -> None:
+    fmt = FORMATS[name]
+    info = np.iinfo(WIDE_INTS[name])
+    assert (fmt.min, fmt.max) == (info.min, info.max)
+    assert fmt.torch_dtype is not None and torch.iinfo(fmt.torch_dtype).max == info.max
+    codes = torch.tensor([0, 1, 2 ** (fmt.bits - 1) - 1, 2 ** (fmt.bits - 1)])
+    top = 2.0 ** (fmt.bits - 1)
+    want = [0.0, 1.0, top - 1, -top if fmt.signed else top]
+    assert fmt.decode(codes).tolist() == want
+    x = torch.tensor([2.5, -3.5, 1e12, -1e12])
+    top_f32 = fmt.max if fmt.bits <= 16 else 2.0**31 - 128  # largest float32 in range
+    assert fmt.round(x).tolist() == [2.0, max(-4.0, fmt.min), top_f32, fmt.min]
+    assert fmt.round(x.double()).tolist() == [2.0, max(-4.0, fmt.min), fmt.max, fmt.min]
+    if fmt.bits <= 16:
+        assert fmt.values().numel() == 2**fmt.bits
+    else:
+        with pytest.raises(ValueError, match="too many"):
+            fmt.values()
+
+
+@pytest.mark.parametrize("name", SMALL)
 def test_values_and_bounds(name: str) -> None:
     fmt = FORMATS[name]
     v = fmt.values()
@@ -175,7 +202,8 @@ def test_round_ints_half_to_even(name: str) -> None:
         np.testing.assert_array_equal(ml_round(name, v), v)  # fixed points
 
 
-@pytest.mark.parametrize("name", NAMES)
+# int32's bounds are no float32 values: test_wide_ints checks its saturation.
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "int32"])
 def test_round_saturates_beyond_range(name: str) -> None:
     fmt = FORMATS[name]
     f32 = np.finfo(np.float32)
@@ -290,8 +318,9 @@ def test_round_and_decode_reject_bad_dtypes() -> None:
 
 def test_get_format() -> None:
     assert get_format("float4_e2m1fn") is FORMATS["float4_e2m1fn"]
-    with pytest.raises(KeyError, match=r"unknown format 'int16'.*float8_e4m3fn"):
-        get_format("int16")
+    assert get_format("int16") is FORMATS["int16"]
+    with pytest.raises(KeyError, match=r"unknown format 'int64'.*float8_e4m3fn"):
+        get_format("int64")
     with pytest.raises(TypeError, match="str"):
         get_format(torch.int8)  # type: ignore[arg-type]
 

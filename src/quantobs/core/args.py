@@ -9,6 +9,7 @@ and the fix.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated, Any
 
@@ -19,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     field_serializer,
     field_validator,
     model_validator,
@@ -149,6 +151,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     zp_dtype: TorchDtype | None = None
     observer: str | None = None
     observer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    _format: NumberFormat = PrivateAttr()
 
     @field_validator("type", mode="before")
     @classmethod
@@ -234,7 +237,22 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
         self._check_dynamic()
         if self.zp_dtype is None:
             self.zp_dtype = self._default_zp_dtype()
+        self._format = get_format(self._format_name())
         return self
+
+    def _format_name(self) -> str:
+        if self.type == "float":
+            return "float8_e4m3fn" if self.num_bits == 8 else "float4_e2m1fn"
+        return f"int{self.num_bits}"
+
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> QuantizationArgs:
+        """A copy; with `update`, validated again (pydantic's does not)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self).model_validate({**fields, **update})
 
     def _check_bits(self) -> None:
         if self.type == "int" and not 2 <= self.num_bits <= 8:
@@ -318,12 +336,9 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
 
     @property
     def format(self) -> NumberFormat:
-        """The number format of the quantized values (e.g. `int4`, `float8_e4m3fn`)."""
-        if self.type == "float":
-            return get_format(
-                "float8_e4m3fn" if self.num_bits == 8 else "float4_e2m1fn"
-            )
-        return get_format(f"int{self.num_bits}")
+        """The number format of the quantized values (e.g. `int4`, `float8_e4m3fn`),
+        resolved once when the args are validated."""
+        return self._format
 
     @property
     def is_mx(self) -> bool:

@@ -35,9 +35,10 @@ __all__ = ["FORMATS", "NumberFormat", "get_format", "int_format"]
 # formats torch has no dtype for). Not float8_e8m0fnu (no mantissa bit; its
 # ties go up), which takes the generic path.
 _F32_MANTISSA_BITS = 23
+_MAX_LISTED_BITS = 16  # `values()` of wider formats (int32) would not fit memory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NumberFormat:
     """A number format: its range, its bit patterns and its rounding.
 
@@ -85,7 +86,17 @@ class NumberFormat:
         return math.frexp(self.min_normal)[1] - 1
 
     def values(self) -> torch.Tensor:
-        """Every distinct finite value, ascending, float64 (zero appears once)."""
+        """Every distinct finite value, ascending, float64 (zero appears once).
+
+        Raises:
+            ValueError: the format has more than 2**16 values (int32).
+        """
+        if not self.is_float:
+            if self.bits > _MAX_LISTED_BITS:
+                raise ValueError(
+                    f"{self.name} has 2**{self.bits} values; too many to list"
+                )
+            return torch.arange(self.min, self.max + 1, dtype=torch.float64)
         table = _code_table(self)
         finite: torch.Tensor = torch.unique(table[torch.isfinite(table)])
         return finite + 0.0  # -0.0 -> +0.0
@@ -110,6 +121,9 @@ class NumberFormat:
         idx = codes.long()
         if idx.numel() and (idx.min() < 0 or idx.max() >= 1 << self.bits):
             raise ValueError(f"{self.name} codes must lie in 0..{(1 << self.bits) - 1}")
+        if not self.is_float:  # two's complement: the top half of codes is negative
+            wrap = (idx >= 1 << (self.bits - 1)) & self.signed
+            return (idx - wrap.long() * (1 << self.bits)).double()
         return _code_table(self).to(codes.device)[idx]
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +180,7 @@ class NumberFormat:
     def _round_generic(self, y: torch.Tensor) -> torch.Tensor:
         """Exact round-to-nearest of a float32/float64 tensor, without casts."""
         if not self.is_float:
-            return torch.round(y).clamp(self.min, self.max)
+            return torch.round(y).clamp(*_int_bounds(self, y.dtype))
         # Saturate first: no overflow below, and no carry past max.
         a = y.abs().clamp(0.0, self.max) if self.signed else y.clamp(self.min, self.max)
         _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): binade e - 1
@@ -180,11 +194,8 @@ class NumberFormat:
 
 @functools.cache
 def _code_table(fmt: NumberFormat) -> torch.Tensor:
-    """Float64 value of every code ``0 .. 2**bits - 1`` (CPU)."""
+    """Float64 value of every code ``0 .. 2**bits - 1`` of a float format (CPU)."""
     n = 1 << fmt.bits
-    if not fmt.is_float:  # two's complement: the top half of codes is negative
-        ints = [c - n if fmt.signed and c >= n >> 1 else c for c in range(n)]
-        return torch.tensor(ints, dtype=torch.float64)
     m_bits, e_bits = fmt.mantissa_bits, fmt.exponent_bits
     out = []
     for code in range(n):
@@ -199,6 +210,19 @@ def _code_table(fmt: NumberFormat) -> torch.Tensor:
             mag = math.inf if fmt.has_inf and mant == 0 else math.nan
         out.append(sign * mag)
     return torch.tensor(out, dtype=torch.float64)
+
+
+@functools.cache
+def _int_bounds(fmt: NumberFormat, dtype: torch.dtype) -> tuple[float, float]:
+    """`(min, max)` of an integer format as values of `dtype`: int32's max
+    2**31 - 1 is not a float32, whose largest value below it, 2**31 - 128,
+    saturates instead (never a value outside the format)."""
+    bounds = torch.tensor([fmt.min, fmt.max], dtype=dtype)
+    inward = torch.tensor([math.inf, -math.inf], dtype=dtype)
+    outside = torch.tensor([fmt.min, fmt.max], dtype=torch.float64)
+    outside = (bounds.double() < outside[0:1]) | (bounds.double() > outside[1:2])
+    bounds = torch.where(outside, torch.nextafter(bounds, inward), bounds)
+    return float(bounds[0]), float(bounds[1])
 
 
 @functools.cache
@@ -226,37 +250,64 @@ def _int(bits: int, signed: bool) -> NumberFormat:
         exponent_bias=0,
         min_normal=1.0,
         min_subnormal=1.0,
-        torch_dtype={"int8": torch.int8, "uint8": torch.uint8}.get(name),
+        torch_dtype=_INT_DTYPES.get(name),
     )
 
 
-_h = float.fromhex
+_INT_DTYPES = {
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+}
+
+
+_FLOAT_DTYPES = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+}
+
+
+def _float(
+    name: str,
+    bits: int,
+    emax_hex: str,
+    e: int,
+    m: int,
+    bias: int,
+    normal: str,
+    subnormal: str,
+    signed: bool = True,
+    has_inf: bool = False,
+) -> NumberFormat:
+    """A float format; bounds as exact hex literals."""
+    largest = float.fromhex(emax_hex)
+    return NumberFormat(
+        name=name, bits=bits, is_float=True, signed=signed,
+        min=-largest if signed else float.fromhex(subnormal), max=largest,
+        exponent_bits=e, mantissa_bits=m, exponent_bias=bias,
+        min_normal=float.fromhex(normal), min_subnormal=float.fromhex(subnormal),
+        torch_dtype=_FLOAT_DTYPES.get(name), has_inf=has_inf,
+    )  # fmt: skip
+
+
 FORMATS: dict[str, NumberFormat] = {
     **{f.name: f for f in (_int(b, s) for s in (True, False) for b in range(2, 9))},
-    # name, bits, is_float, signed, min, max, e, m, bias, min_normal, min_subnormal
-    "float8_e4m3fn": NumberFormat(
-        "float8_e4m3fn", 8, True, True, _h("-0x1.cp8"), _h("0x1.cp8"),
-        4, 3, 7, _h("0x1p-6"), _h("0x1p-9"), torch.float8_e4m3fn,
+    "int16": _int(16, True),
+    "uint16": _int(16, False),
+    "int32": _int(32, True),
+    # name, bits, max, exponent bits, mantissa bits, bias, min normal, subnormal
+    "float8_e4m3fn": _float("float8_e4m3fn", 8, "0x1.cp8", 4, 3, 7, "0x1p-6", "0x1p-9"),
+    "float8_e5m2": _float(
+        "float8_e5m2", 8, "0x1.cp15", 5, 2, 15, "0x1p-14", "0x1p-16", has_inf=True
     ),
-    "float8_e5m2": NumberFormat(
-        "float8_e5m2", 8, True, True, _h("-0x1.cp15"), _h("0x1.cp15"),
-        5, 2, 15, _h("0x1p-14"), _h("0x1p-16"), torch.float8_e5m2, has_inf=True,
-    ),
-    "float6_e2m3fn": NumberFormat(
-        "float6_e2m3fn", 6, True, True, _h("-0x1.ep2"), _h("0x1.ep2"),
-        2, 3, 1, _h("0x1p0"), _h("0x1p-3"), None,
-    ),
-    "float6_e3m2fn": NumberFormat(
-        "float6_e3m2fn", 6, True, True, _h("-0x1.cp4"), _h("0x1.cp4"),
-        3, 2, 3, _h("0x1p-2"), _h("0x1p-4"), None,
-    ),
-    "float4_e2m1fn": NumberFormat(
-        "float4_e2m1fn", 4, True, True, _h("-0x1.8p2"), _h("0x1.8p2"),
-        2, 1, 1, _h("0x1p0"), _h("0x1p-1"), None,
-    ),
-    "float8_e8m0fnu": NumberFormat(
-        "float8_e8m0fnu", 8, True, False, _h("0x1p-127"), _h("0x1p127"),
-        8, 0, 127, _h("0x1p-127"), _h("0x1p-127"), torch.float8_e8m0fnu,
+    "float6_e2m3fn": _float("float6_e2m3fn", 6, "0x1.ep2", 2, 3, 1, "0x1p0", "0x1p-3"),
+    "float6_e3m2fn": _float("float6_e3m2fn", 6, "0x1.cp4", 3, 2, 3, "0x1p-2", "0x1p-4"),
+    "float4_e2m1fn": _float("float4_e2m1fn", 4, "0x1.8p2", 2, 1, 1, "0x1p0", "0x1p-1"),
+    "float8_e8m0fnu": _float(
+        "float8_e8m0fnu", 8, "0x1p127", 8, 0, 127, "0x1p-127", "0x1p-127", signed=False
     ),
 }  # fmt: skip
 

@@ -26,7 +26,6 @@ __all__ = [
     "candidate_errors",
     "error_power",
     "mse_search",
-    "patience_stop",
     "search_args",
     "shrink_factors",
 ]
@@ -237,15 +236,6 @@ class _Patience:
         self.best = errors if self.best is None else torch.minimum(self.best, errors)
         self.stale = 0 if improved else self.stale + 1
         return self.stale >= self.patience
-
-
-def patience_stop(errors: torch.Tensor, patience: int | None) -> int:
-    """How many of the `(C, *Q)` candidates llm-compressor's loop scores."""
-    rule = _Patience(patience)
-    for i in range(errors.shape[0]):
-        if rule.stops_after(errors[i]):
-            return i + 1
-    return errors.shape[0]
 
 
 def mse_search(

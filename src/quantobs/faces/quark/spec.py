@@ -146,30 +146,15 @@ SCALE_MODES = ("even", "floor", "ceil")
 BFP16_BLOCK = 8
 
 
-def _wide_int(bits: int, signed: bool) -> NumberFormat:
-    """Integer formats wider than the core table's (int16, uint16, int32)."""
-    lo = -(1 << (bits - 1)) if signed else 0
-    name = f"{'' if signed else 'u'}int{bits}"
-    torch_dtype = {"int16": torch.int16, "int32": torch.int32}.get(name)
-    return NumberFormat(
-        name, bits, False, signed, float(lo), float(lo + (1 << bits) - 1),
-        0, 0, 0, 1.0, 1.0, torch_dtype,
-    )  # fmt: skip
-
-
-_CORE_FORMATS = {
+_FORMAT_NAMES = {
     Dtype.int8: "int8", Dtype.uint8: "uint8", Dtype.int4: "int4",
     Dtype.uint4: "uint4", Dtype.int3: "int3", Dtype.int2: "int2",
     Dtype.uint2: "uint2", Dtype.fp8_e4m3: "float8_e4m3fn",
     Dtype.fp8_e5m2: "float8_e5m2", Dtype.fp6_e2m3: "float6_e2m3fn",
     Dtype.fp6_e3m2: "float6_e3m2fn", Dtype.fp4: "float4_e2m1fn",
+    Dtype.int16: "int16", Dtype.uint16: "uint16", Dtype.int32: "int32",
 }  # fmt: skip
-_FORMATS: dict[Dtype, NumberFormat] = {
-    **{dtype: get_format(name) for dtype, name in _CORE_FORMATS.items()},
-    Dtype.int16: _wide_int(16, True),
-    Dtype.uint16: _wide_int(16, False),
-    Dtype.int32: _wide_int(32, True),
-}
+_FORMATS = {dtype: get_format(name) for dtype, name in _FORMAT_NAMES.items()}
 
 
 def element_format(dtype: Dtype) -> NumberFormat:
