@@ -24,7 +24,7 @@ from quantobs import (
     scale_to_storage,
     storage_to_scale,
 )
-from quantobs.core.qparams import pow2_exponent
+from quantobs.core.qparams.pow2 import pow2_exponent
 
 ARGS: dict[str, dict[str, Any]] = {
     **{f"int{b}-sym": {"num_bits": b} for b in range(2, 9)},
@@ -194,14 +194,14 @@ def test_mx_scale_of_float32_max_is_finite() -> None:
 def _pow2_reference(amax: float, mode: str) -> int:
     exponent = math.floor(math.log2(amax))
     mantissa = amax / 2.0**exponent
-    if mode == "even":
+    if mode == "round":  # to one mantissa bit, ties up (compressed-tensors' MX)
         return exponent + (mantissa >= 1.75)
     if mode == "ceil":
         return exponent + (mantissa > 1.0)
     return exponent
 
 
-@pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
+@pytest.mark.parametrize("mode", ["round", "floor", "ceil"])
 def test_mx_rounding_modes(mode: str) -> None:
     amax = torch.tensor(
         [1.0, 1.5, 1.74, 1.75, 1.99, 2.0, 3.0, 3.5, 6.0, 7.0, 0.3, 1e-30, 448.0, 500.0]
@@ -217,7 +217,7 @@ def test_pow2_int_scales() -> None:
     amax = torch.tensor([1.0, 2.5, 100.0])
     args = QuantizationArgs(num_bits=8)
     plain, _ = calculate_qparams(-amax, amax, args)
-    for mode in ("even", "floor", "ceil"):
+    for mode in ("round", "floor", "ceil"):
         scale, _ = calculate_qparams(-amax, amax, args, pow2=mode)
         exps = torch.log2(scale)
         assert torch.equal(exps, exps.round())
@@ -229,7 +229,7 @@ def test_pow2_int_scales() -> None:
 
 def test_pow2_exponent_rejects_bad_mode() -> None:
     with pytest.raises(
-        ValueError, match="rounding='up'; use 'even', 'floor' or 'ceil'"
+        ValueError, match="rounding='up'; use 'floor', 'ceil' or 'round'"
     ):
         pow2_exponent(torch.ones(1), "up")  # type: ignore[arg-type]
 

@@ -520,8 +520,8 @@ def test_static_mse_merge_is_concatenation(a: list[float], b: list[float]) -> No
     right.update(xb)
     both.update(both_x)
     merged = left.merge(right)
-    errors_merged = merged._stats["errors"]
-    errors_both = both._stats["errors"]
+    errors_merged = merged.statistic().state()["errors"]
+    errors_both = both.statistic().state()["errors"]
     torch.testing.assert_close(errors_merged, errors_both, rtol=1e-6, atol=1e-30)
     # the chosen candidate is optimal for the concatenation up to float noise
     chosen = errors_merged.argmin(dim=0, keepdim=True)
@@ -660,8 +660,10 @@ def test_global_scale_is_recomputed_whenever_the_statistics_change() -> None:
     assert torch.equal(
         observer.get_global_scale(), generate_gparam(4 * x.min(), 4 * x.max())
     )
-    observer._stats["max_vals"].mul_(8)  # modified in place: recomputed too
-    expected = generate_gparam(4 * x.min(), observer._stats["max_vals"].max())
+    # The global amax is part of the statistic (a buffer, merged with MAX):
+    # an in-place edit of it is seen too.
+    observer.absmax.mul_(8)
+    expected = generate_gparam(4 * x.min(), 8 * (4 * x).abs().max())
     assert torch.equal(observer.get_global_scale(), expected)
     observer.reset()
     with pytest.raises(RuntimeError, match="no statistics"):

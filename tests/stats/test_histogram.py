@@ -22,9 +22,9 @@ from quantobs.stats.histogram import (
     histogram_of,
     merge_histograms,
     rebin,
-    speculate,
     update_histogram,
 )
+from quantobs.stats.speculate import speculate
 
 NAMES = ["histogram", "percentile", "entropy", "histogram_mse"]
 
@@ -53,7 +53,7 @@ def _reference_counts(x_flat: torch.Tensor, hist: Histogram) -> torch.Tensor:
 def _same(a: Histogram, b: Histogram) -> bool:
     return all(
         torch.equal(x, y)
-        for x, y in zip(a.to_stats().values(), b.to_stats().values(), strict=True)
+        for x, y in zip(a.state().values(), b.state().values(), strict=True)
     )
 
 
@@ -477,8 +477,8 @@ def test_speculative_update_equals_two_passes(case: str, absolute: bool) -> None
         batch_range = spec.batch_range if spec is not None else None
         hist = update_histogram(hist, x_flat, batch_range, speculation=spec)
         plain = update_histogram(plain, x_flat)
-        for name, value in plain.to_stats().items():
-            assert torch.equal(hist.to_stats()[name], value), (case, name)
+        for name, value in plain.state().items():
+            assert torch.equal(hist.state()[name], value), (case, name)
     if native.available():
         assert used >= (1 if case in ("jump", "huge") else 3)
 
@@ -501,7 +501,7 @@ def test_speculation_declines_what_it_cannot_do() -> None:
 def test_speculative_observer_handles_nonfinite_like_two_passes(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import quantobs.observers.histogram as observers
+    import quantobs.stats.speculate as observers
 
     args = QuantizationArgs(num_bits=8, symmetric=False)
     x = torch.randn(64, 2048)
@@ -524,8 +524,8 @@ def test_speculative_observer_handles_nonfinite_like_two_passes(
     fast = run()
     monkeypatch.setattr(observers, "speculate", lambda hist, x_flat: None)
     slow = run()
-    for name, value in slow._stats.items():
-        assert torch.equal(fast._stats[name], value), name
+    for name, value in slow.statistic().state().items():
+        assert torch.equal(fast.statistic().state()[name], value), name
 
 
 @settings(max_examples=25, deadline=None)
@@ -546,8 +546,8 @@ def test_speculative_updates_equal_two_passes_property(
         batch_range = spec.batch_range if spec is not None else None
         hist = update_histogram(hist, x, batch_range, speculation=spec)
         plain = update_histogram(plain, x)
-    for name, value in plain.to_stats().items():
-        assert torch.equal(hist.to_stats()[name], value), name
+    for name, value in plain.state().items():
+        assert torch.equal(hist.state()[name], value), name
 
 
 def test_histogram_observer_pickles_after_a_refused_batch() -> None:
@@ -563,5 +563,5 @@ def test_histogram_observer_pickles_after_a_refused_batch() -> None:
     torch.save(obs, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    for name, value in obs._stats.items():
-        assert torch.equal(loaded._stats[name], value)
+    for name, value in obs.statistic().state().items():
+        assert torch.equal(loaded.statistic().state()[name], value)

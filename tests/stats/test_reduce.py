@@ -10,10 +10,6 @@ import torch
 from quantobs import QuantizationArgs, flatten_for_calibration
 from quantobs.core.layout import num_observations_of
 from quantobs.stats.reduce import (
-    lerp,
-    lerp_ranges,
-    merge_minmax,
-    merge_moving_average,
     minmax,
     minmax_of,
     minmax_omit_nonfinite,
@@ -55,24 +51,3 @@ def test_omit_nonfinite_gives_empty_ranges() -> None:
     assert max_vals.tolist() == [1.0, float("-inf")]
     zeroed = range_or_zero(min_vals, max_vals)
     assert zeroed[0].tolist() == [1.0, 0.0] and zeroed[1].tolist() == [1.0, 0.0]
-    # the empty range is the identity of merge_minmax
-    merged = merge_minmax((min_vals, max_vals), (torch.tensor([2.0, -1.0]),) * 2)
-    assert merged[0].tolist() == [1.0, -1.0] and merged[1].tolist() == [2.0, -1.0]
-
-
-def test_lerp_matches_llm_compressor_form_and_skips_empty() -> None:
-    old, new = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])
-    assert torch.equal(lerp(old, new, 0.01), old * 0.99 + new * 0.01)
-    inf = float("inf")
-    low, high = lerp_ranges(
-        (torch.tensor([inf, -1.0]), torch.tensor([-inf, 1.0])),
-        (torch.tensor([-2.0, inf]), torch.tensor([2.0, -inf])),
-        0.5,
-    )
-    assert low.tolist() == [-2.0, -1.0] and high.tolist() == [2.0, 1.0]
-
-
-def test_merge_moving_average_is_count_weighted() -> None:
-    a, b = torch.tensor([1.0]), torch.tensor([4.0])
-    assert merge_moving_average(a, 1, b, 2).item() == 3.0
-    assert merge_moving_average(a, 0, b, 0).item() == 1.0

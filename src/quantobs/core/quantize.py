@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.formats import NumberFormat
 from quantobs.core.layout import validate_g_idx
 from quantobs.core.qparams import check_global_scale, storage_to_scale
 
-__all__ = ["dequantize", "fake_quantize", "quantize"]
+__all__ = ["dequantize", "fake_quant_values", "fake_quantize", "quantize"]
 
 _Restore = Callable[[torch.Tensor], torch.Tensor]
 
@@ -154,6 +155,32 @@ def _from_codes(
     return values * scale
 
 
+def fake_quant_values(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    fmt: NumberFormat,
+) -> torch.Tensor:
+    """`(round(clamp(x / scale + zp)) - zp) * scale`: the one fake-quant
+    arithmetic (fake_quantize's, and every search's error), on one fresh
+    temporary of the broadcast shape of `x` and `scale`.
+
+    Args:
+        x: values; scale, zero_point: broadcast against `x` (zero_point None
+            for 0).
+        fmt: the format (its bounds and rounding).
+    """
+    values = x / scale
+    zp = None if zero_point is None else zero_point.to(values.dtype)
+    if zp is not None:
+        values.add_(zp)
+    values.clamp_(fmt.min, fmt.max)
+    values = values.round_() if not fmt.is_float else fmt.round(values)
+    if zp is not None:
+        values.sub_(zp)
+    return values.mul_(scale)
+
+
 @torch.no_grad()
 def quantize(
     x: torch.Tensor,
@@ -234,5 +261,5 @@ def fake_quantize(
     x_view, scale, zero_point, restore = _prepare(
         x, scale, zero_point, args, g_idx, global_scale
     )
-    codes = _to_codes(x_view, scale, zero_point, args)
-    return restore(_from_codes(codes, scale, zero_point)).to(x.dtype)
+    values = fake_quant_values(x_view, scale, zero_point, args.format)
+    return restore(values).to(x.dtype)

@@ -37,9 +37,8 @@ int8), all of them for asymmetric args on non-negative data, `2 **
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -53,19 +52,14 @@ from quantobs.solvers.histogram_l2 import (
 )
 from quantobs.solvers.histogram_mse import histogram_mse_search
 from quantobs.solvers.percentile import percentile_range
+from quantobs.stats.base import Statistic
 from quantobs.stats.histogram import (
     DEFAULT_BINS,
     DEFAULT_MAX_COUNTS,
     MIN_BINS,
     Histogram,
-    Speculation,
-    check_budget,
-    empty_histogram,
-    merge_histograms,
-    speculate,
-    update_histogram,
 )
-from quantobs.stats.reduce import Range, minmax
+from quantobs.stats.reduce import Range
 
 __all__ = [
     "EntropyObserver",
@@ -149,104 +143,45 @@ class HistogramMSEOptions(HistogramOptions):
 
 
 class HistogramStatObserver(Observer):
-    """Base of the histogram observers: the statistic, its merge and state.
+    """Base of the histogram observers: an exact `Histogram` per qparam.
 
     Subclasses choose whether the histogram is of |x| (`_absolute`) and turn
     it into a range (`_solve`).
     """
 
+    Statistic = Histogram
     Options: ClassVar[type[ObserverOptions]] = HistogramOptions
     options: HistogramOptions
-    needs_values = True
-    _nonfinite_pending = False
-    _speculation: Speculation | None = None
 
     def _absolute(self) -> bool:
         return False
 
+    def statistic_config(self) -> dict[str, Any]:
+        return {
+            "bins": self.options.bins,
+            "absolute": self._absolute(),
+            "max_counts": self.options.max_counts,
+            "owner": f"observer {self.name!r} for {self.base_name!r}",
+        }
+
     @property
     def histogram(self) -> Histogram:
         """The accumulated `Histogram` (raises before any observation)."""
-        self._require_stats()
-        return Histogram.from_stats(self._stats, self._absolute())
-
-    def _omit_nonfinite(self, x_flat: torch.Tensor) -> torch.Tensor:
-        # Non-finite values become NaN, which the binning drops (not 0, which
-        # it would count).
-        self._nonfinite_pending = True
-        return torch.where(torch.isfinite(x_flat), x_flat, math.nan)
-
-    def _batch_range(self, x_flat: torch.Tensor) -> Range:
-        # Count on a known (or guessed) grid while finding the min/max: one
-        # pass; `_update_stats` completes the count if this batch is folded.
-        self._speculation = None
-        qshape = tuple(x_flat.shape[1:-1])
-        if math.prod(qshape) == 1:  # per tensor
-            hist = self.histogram if self._stats else self._new(qshape, x_flat.device)
-            self._speculation = speculate(hist, x_flat)
-        if self._speculation is not None:
-            return self._speculation.batch_range
-        return minmax(x_flat)
-
-    def _fold(
-        self,
-        batch_range: Range,
-        x_flat: torch.Tensor | None,
-        observed: torch.Tensor,
-    ) -> None:
-        try:
-            super()._fold(batch_range, x_flat, observed)
-        finally:  # a batch refused (NaN policy) leaves no speculation behind
-            self._speculation = None
-
-    def _new(self, qshape: tuple[int, ...], device: torch.device) -> Histogram:
-        check_budget(
-            math.prod(qshape),
-            self.options.bins,
-            self.options.max_counts,
-            what=f"observer {self.name!r} for {self.base_name!r}",
-        )
-        return empty_histogram(qshape, self.options.bins, self._absolute(), device)
-
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        if x_flat is None:  # pragma: no cover - needs_values guarantees values
-            raise RuntimeError("histogram observers count values; none were given")
-        nonfinite, self._nonfinite_pending = self._nonfinite_pending, False
-        speculation, self._speculation = self._speculation, None
-        if self._stats:
-            hist = Histogram.from_stats(self._stats, self._absolute())
-        else:
-            hist = self._new(tuple(batch_range[0].shape), x_flat.device)
-        hist = update_histogram(
-            hist,
-            x_flat,
-            batch_range,
-            has_nonfinite=nonfinite,
-            inplace=True,
-            speculation=speculation,
-        )
-        self._stats = hist.to_stats()
-
-    def _merge_stats(self, other: Observer) -> None:
-        if not isinstance(other, HistogramStatObserver):  # pragma: no cover
-            raise TypeError(f"cannot merge {type(other).__name__}")
-        merged = merge_histograms(self.histogram, other.histogram)
-        self._stats = merged.to_stats()
-
-    def _stats_shape(self) -> torch.Size:
-        return self._stats["min_vals"].shape
+        stat = self._require()
+        assert isinstance(stat, Histogram)
+        return stat
 
     @abstractmethod
     def _solve(self, hist: Histogram) -> Range:
         """The `(*qparam_shape,)` range this observer's solver selects."""
 
-    def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hist = self.histogram
-        min_vals, max_vals = self._solve(hist)
+    def _range(self, stat: Statistic) -> Range:
+        assert isinstance(stat, Histogram)
+        min_vals, max_vals = self._solve(stat)
         # Qparams that saw no finite value: the empty range (base -> (0, 0)).
-        empty = hist.min_vals > hist.max_vals
-        min_vals = torch.where(empty, hist.min_vals, min_vals.float())
-        max_vals = torch.where(empty, hist.max_vals, max_vals.float())
+        empty = stat.min_vals > stat.max_vals
+        min_vals = torch.where(empty, stat.min_vals, min_vals.float())
+        max_vals = torch.where(empty, stat.max_vals, max_vals.float())
         return min_vals, max_vals
 
 

@@ -13,11 +13,12 @@ name                   statistic                                    merge
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
 from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.stats.reduce import Range, lerp_ranges, merge_minmax
+from quantobs.stats.minmax import LatestRange, MinMax, MovingAverage
 
 __all__ = [
     "MemorylessMinMaxObserver",
@@ -43,47 +44,29 @@ class MovingAverageOptions(ObserverOptions):
 class MemorylessMinMaxObserver(Observer):
     """Min/max of the latest batch only (weights, dynamic activations)."""
 
-    needs_values = False
+    Statistic = LatestRange
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        self._stats = {"min_vals": batch_range[0], "max_vals": batch_range[1]}
-
-    def _merge_stats(self, other: Observer) -> None:
-        # Nothing accumulates: the merged observer holds the later statistics.
-        self._stats = {k: v.clone() for k, v in other._stats.items()}
+    def statistic_config(self) -> dict[str, Any]:
+        return {"track_absmax": self._tracks_global()}
 
 
 @Observer.register("static_minmax")
 class StaticMinMaxObserver(Observer):
     """Min/max over every batch; merges exactly across batches and processes."""
 
-    needs_values = False
+    Statistic = MinMax
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        if self._stats:
-            batch_range = merge_minmax(self._range(), batch_range)
-        self._stats = {"min_vals": batch_range[0], "max_vals": batch_range[1]}
-
-    def _merge_stats(self, other: Observer) -> None:
-        min_vals, max_vals = merge_minmax(self._range(), other._range())
-        self._stats = {"min_vals": min_vals, "max_vals": max_vals}
+    def statistic_config(self) -> dict[str, Any]:
+        return {"track_absmax": self._tracks_global()}
 
 
 @Observer.register("minmax")
 class MinMaxObserver(Observer):
     """Moving average of per-batch min/max: `avg += c * (batch - avg)`."""
 
-    needs_values = False
-
+    Statistic = MovingAverage
     Options = MovingAverageOptions
     options: MovingAverageOptions
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        if self._stats:
-            c = self.options.averaging_constant
-            batch_range = lerp_ranges(self._range(), batch_range, c)
-        self._stats = {"min_vals": batch_range[0], "max_vals": batch_range[1]}
-
-    def _merge_stats(self, other: Observer) -> None:
-        # Approximate: count-weighted mean of the two moving averages.
-        self._merge_moving_average(other)
+    def statistic_config(self) -> dict[str, Any]:
+        return {"constant": self.options.averaging_constant, "form": "blend"}

@@ -19,19 +19,19 @@ reference range is scored as clipped.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from pydantic import Field
 
-from quantobs.core.qparams import generate_gparam
+from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.solvers.mse import (
-    DEFAULT_CHUNK_ELEMS,
-    candidate_errors,
-    mse_search,
-    search_args,
-    shrink_factors,
-)
-from quantobs.stats.reduce import Range, lerp_ranges, range_or_zero
+from quantobs.solvers.mse import mse_search
+from quantobs.stats.base import Batch, Statistic
+from quantobs.stats.candidate_errors import CandidateErrors
+from quantobs.stats.minmax import LatestRange, MovingAverage
+from quantobs.stats.reduce import Range, absmax_or_zero, range_or_zero
 
 __all__ = [
     "MSEOptions",
@@ -84,86 +84,86 @@ class StaticMSEOptions(_SearchOptions):
     """Search options of `static_mse` (every candidate is scored: no patience)."""
 
 
-def _values(x_flat: torch.Tensor | None) -> torch.Tensor:
-    if x_flat is None:  # pragma: no cover - needs_values guarantees values
-        raise RuntimeError("MSE observers score values; none were given")
-    return x_flat
+class _SearchingObserver(Observer):
+    """A per-batch MSE search feeds the statistic its range."""
 
+    options: MSEOptions
+    needs_values = True
 
-def _search(
-    observer: Observer,
-    options: MSEOptions,
-    x_flat: torch.Tensor | None,
-    batch_range: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return mse_search(
-        _values(x_flat),
-        observer.args,
-        maxshrink=options.maxshrink,
-        grid=options.grid,
-        norm=options.norm,
-        patience=options.patience,
-        expand=options.expand,
-        chunk_elems=options.chunk_elems,
-        batch_range=range_or_zero(*batch_range),
-        round_scales=options.round_scales,
-    )
+    def _prepare_batch(self, batch: Batch) -> Batch:
+        if batch.x_flat is None:  # pragma: no cover - needs_values
+            raise RuntimeError("MSE observers score values; none were given")
+        opts = self.options
+        observed = range_or_zero(batch.min_vals, batch.max_vals)
+        low, high = mse_search(
+            batch.x_flat,
+            self.args,
+            maxshrink=opts.maxshrink,
+            grid=opts.grid,
+            norm=opts.norm,
+            patience=opts.patience,
+            expand=opts.expand,
+            chunk_elems=opts.chunk_elems,
+            batch_range=observed,
+            round_scales=opts.round_scales,
+        )
+        absmax = None
+        if opts.round_scales and self._tracks_global():
+            # The search assumed the global scale of the observed range.
+            found = absmax_or_zero(observed[0] * opts.expand, observed[1] * opts.expand)
+            absmax = float(found)
+        return replace(batch, min_vals=low, max_vals=high, absmax=absmax)
 
 
 @Observer.register("memoryless_mse")
-class MemorylessMSEObserver(Observer):
+class MemorylessMSEObserver(_SearchingObserver):
     """MSE range of the latest batch only."""
 
+    Statistic = LatestRange
     Options = MSEOptions
-    options: MSEOptions
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        min_vals, max_vals = _search(self, self.options, x_flat, batch_range)
-        self._stats = {"min_vals": min_vals, "max_vals": max_vals}
-        if self.options.round_scales:
-            # The search assumed the global scale of the observed range.
-            expand = self.options.expand
-            self._stats["observed_min"] = batch_range[0] * expand
-            self._stats["observed_max"] = batch_range[1] * expand
-
-    def _global_range(self) -> Range:
-        if "observed_min" in self._stats:
-            return self._stats["observed_min"], self._stats["observed_max"]
-        return self._range()
-
-    def _merge_stats(self, other: Observer) -> None:
-        self._stats = {k: v.clone() for k, v in other._stats.items()}
+    def statistic_config(self) -> dict[str, Any]:
+        return {"track_absmax": self._tracks_global()}
 
 
 @Observer.register("mse")
-class MovingAverageMSEObserver(Observer):
+class MovingAverageMSEObserver(_SearchingObserver):
     """Moving average of per-batch MSE ranges (llm-compressor's `mse`)."""
 
+    Statistic = MovingAverage
     Options = MovingAverageMSEOptions
     options: MovingAverageMSEOptions
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        searched = _search(self, self.options, x_flat, batch_range)
-        if self._stats:
-            searched = lerp_ranges(
-                self._range(), searched, self.options.averaging_constant
-            )
-        self._stats = {"min_vals": searched[0], "max_vals": searched[1]}
-
-    def _merge_stats(self, other: Observer) -> None:
-        self._merge_moving_average(other)
+    def statistic_config(self) -> dict[str, Any]:
+        return {"constant": self.options.averaging_constant, "form": "blend"}
 
 
 @Observer.register("static_mse")
 class StaticMSEObserver(Observer):
     """Range minimizing the error summed over every batch (exact merge)."""
 
+    Statistic = CandidateErrors
     Options = StaticMSEOptions
     options: StaticMSEOptions
 
+    def statistic_config(self) -> dict[str, Any]:
+        opts = self.options
+        return {
+            "args": self.args,
+            "maxshrink": opts.maxshrink,
+            "grid": opts.grid,
+            "norm": opts.norm,
+            "expand": opts.expand,
+            "chunk_elems": opts.chunk_elems,
+            "round_scales": opts.round_scales,
+        }
+
     def factors(self) -> torch.Tensor:
         """`(C,)` shrink factors of the candidate ranges."""
-        return shrink_factors(self.options.maxshrink, self.options.grid)
+        return self._empty().factors()
+
+    def _empty(self) -> CandidateErrors:
+        return CandidateErrors.empty((), torch.device("cpu"), **self.statistic_config())
 
     @torch.no_grad()
     def set_reference(self, min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
@@ -171,68 +171,21 @@ class StaticMSEObserver(Observer):
 
         Raises:
             RuntimeError: errors were already accumulated.
+            ValueError: non-finite values, or `min_vals > max_vals`.
         """
-        if self._stats:
+        if self.has_statistics:
             raise RuntimeError(
                 "set_reference() must come before the first observation; call "
                 "reset() first"
             )
-        min_vals, max_vals = min_vals.float(), max_vals.float()
-        if not (torch.isfinite(min_vals).all() and torch.isfinite(max_vals).all()):
-            raise ValueError("set_reference() needs finite min_vals and max_vals")
-        if min_vals.shape != max_vals.shape or (min_vals > max_vals).any():
-            raise ValueError(
-                "set_reference() needs min_vals <= max_vals of the same shape"
-            )
-        num_c = self.factors().numel()
-        errors = torch.zeros(
-            num_c, *min_vals.shape, dtype=torch.float64, device=min_vals.device
-        )
-        self._stats = {
-            "ref_min": min_vals * self.options.expand,
-            "ref_max": max_vals * self.options.expand,
-            "errors": errors,
-        }
-        if self.options.round_scales and self.args.strategy == "tensor_group":
-            self._stats["global_scale"] = generate_gparam(
-                self._stats["ref_min"].min(), self._stats["ref_max"].max()
-            )
+        self._store(self._empty().with_reference(min_vals, max_vals))
 
-    def _update_stats(self, x_flat: torch.Tensor | None, batch_range: Range) -> None:
-        if not self._stats:
-            self.set_reference(*range_or_zero(*batch_range))
-        stats = self._stats
-        values = _values(x_flat)
-        stats["errors"] += candidate_errors(
-            values,
-            search_args(self.args, self.options.round_scales),
-            stats["ref_min"],
-            stats["ref_max"],
-            self.factors().to(values.device),
-            self.options.norm,
-            self.options.chunk_elems,
-            stats.get("global_scale"),
-        )
+    def _range(self, stat: Statistic) -> Range:
+        assert isinstance(stat, CandidateErrors)
+        return stat.best_range()
 
-    def _merge_stats(self, other: Observer) -> None:
-        mine, theirs = self._stats, other._stats
-        if not (
-            torch.equal(mine["ref_min"], theirs["ref_min"])
-            and torch.equal(mine["ref_max"], theirs["ref_max"])
-        ):
-            raise ValueError(
-                "static_mse observers with different reference ranges cannot "
-                "merge; give both the same set_reference(min_vals, max_vals) "
-                "before observing"
-            )
-        mine["errors"] = mine["errors"] + theirs["errors"]
-
-    def _global_range(self) -> Range:
+    def _global_amax(self, stat: Statistic) -> torch.Tensor:
+        assert isinstance(stat, CandidateErrors)
         if self.options.round_scales:  # the search used the reference's scale
-            return self._stats["ref_min"], self._stats["ref_max"]
-        return self._range()
-
-    def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = self._stats
-        best = self.factors().to(stats["errors"].device)[stats["errors"].argmin(dim=0)]
-        return stats["ref_min"] * best, stats["ref_max"] * best
+            return absmax_or_zero(stat.ref_min, stat.ref_max)
+        return absmax_or_zero(*stat.best_range())

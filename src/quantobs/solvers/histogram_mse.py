@@ -6,7 +6,7 @@ The expectation is over the histogram with each bin's values at its center
 rounding (int half-to-even, FP8, FP4, MX power-of-two scales) and the scale
 and zero point `calculate_qparams` gives for the candidate range; NVFP4
 candidates use unrounded group scales and no global scale, as the raw-data
-MSE search does (`quantobs.solvers.mse.search_args`). A histogram of |x| scores the
+MSE search does (`quantobs.core.scoring.search_args`). A histogram of |x| scores the
 positive values only.
 
 Candidates shrink the observed range, `(p * min, p * max)` for
@@ -20,27 +20,9 @@ from __future__ import annotations
 import torch
 
 from quantobs.core.args import QuantizationArgs
-from quantobs.core.qparams import calculate_qparams
-from quantobs.solvers.mse import error_power, search_args, shrink_factors
+from quantobs.core.scoring import candidate_qparams, score, search_args, shrink_factors
 
 __all__ = ["histogram_mse_search"]
-
-_CHUNK_ELEMS = 1 << 21  # float32 elements per (candidates, qparams, bins) temporary
-
-
-def _errors(
-    centers: torch.Tensor,
-    weights: torch.Tensor,
-    cand_min: torch.Tensor,
-    cand_max: torch.Tensor,
-    args: QuantizationArgs,
-    norm: float,
-) -> torch.Tensor:
-    # centers, weights: (Qc, B); cand_min, cand_max: (C, Qc) -> errors (C, Qc)
-    scale, zero_point = calculate_qparams(cand_min, cand_max, args)
-    zp = None if args.symmetric else zero_point[:, :, None]
-    err = error_power(centers[None], scale[:, :, None], zp, args, norm)  # (C, Qc, B)
-    return (err.to(torch.float64) * weights[None]).sum(dim=2)
 
 
 def histogram_mse_search(
@@ -82,7 +64,6 @@ def histogram_mse_search(
     qshape = tuple(counts.shape[:-1])
     bins = counts.shape[-1]
     weights = counts.reshape(-1, bins).to(torch.float64)
-    num_q = weights.shape[0]
     device = weights.device
     index = torch.arange(bins, dtype=torch.float64, device=device) + 0.5
     centers = lo.reshape(-1, 1).to(torch.float64) + index * width.reshape(-1, 1)
@@ -96,17 +77,11 @@ def histogram_mse_search(
         low = -high
     factors = shrink_factors(maxshrink, grid).to(device)
     scoring = search_args(args)
-    errors = torch.empty(factors.numel(), num_q, dtype=torch.float64, device=device)
-    q_step = max(1, _CHUNK_ELEMS // (factors.numel() * bins))
-    for q0 in range(0, num_q, q_step):
-        rows = slice(q0, q0 + q_step)
-        errors[:, rows] = _errors(
-            centers[rows],
-            weights[rows],
-            factors[:, None] * low[None, rows],
-            factors[:, None] * high[None, rows],
-            scoring,
-            norm,
-        )
+    scale, zero_point = candidate_qparams(
+        factors[:, None] * low[None], factors[:, None] * high[None], scoring
+    )  # (C, Q)
+    errors = score(
+        centers[None], scale, zero_point, args.format, norm, weights=weights
+    )  # (C, Q)
     best = factors[errors.argmin(dim=0)]  # first minimum: widest of the ties
     return (best * low).reshape(qshape), (best * high).reshape(qshape)

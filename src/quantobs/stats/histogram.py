@@ -39,13 +39,8 @@ value so small that `x * 2**-e` underflows to `-0.0` (`|x| < 2**(e - 149)`,
 possible only for bins wider than 2) is counted in the cell `[0, w)` instead
 of `[-w, 0)`, or in the last bin if the window ends at 0.
 
-One-pass updates. Because grids nest, a per-tensor batch can be counted on
-the grid it is expected to need before its range is known (`speculate`: the
-histogram's grid, or for the first batch the grid of a small sample's range)
-in the same pass that finds its min/max; the values outside that window are
-set aside, and once the range is known the counts are re-binned exactly and
-the set-aside values binned (`update_histogram(..., speculation=...)`). The
-result is the two-pass histogram, bit for bit.
+One-pass updates: `quantobs.stats.speculate` counts a per-tensor batch on
+the grid it is expected to need in the same pass that finds its range.
 
 Counts are int64 (exact past 2**24 per bin, where `torch.histc` saturates).
 Memory is `bins * num_qparams` int64 counts; `check_budget` refuses more than
@@ -56,27 +51,34 @@ granularity, fewer bins or a raw-data observer.
 from __future__ import annotations
 
 import math
-import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from quantobs import native
+from quantobs.stats.base import Batch, Field, Reduce, Statistic
 from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
+
+if TYPE_CHECKING:
+    from quantobs.stats.speculate import Speculation
 
 __all__ = [
     "DEFAULT_BINS",
     "DEFAULT_MAX_COUNTS",
+    "MIN_BINS",
     "Histogram",
-    "Speculation",
+    "bin_counts",
     "check_budget",
     "empty_histogram",
+    "grid_range",
     "histogram_grid",
     "histogram_of",
     "merge_histograms",
     "rebin",
-    "speculate",
     "update_histogram",
+    "widen",
 ]
 
 DEFAULT_BINS = 2048
@@ -91,7 +93,7 @@ _CHUNK_COUNTS = 1 << 18
 
 
 @dataclass(frozen=True)
-class Histogram:
+class Histogram(Statistic):
     """Exact-count histograms of `qparam_shape` qparams, one grid each.
 
     Attributes:
@@ -111,6 +113,68 @@ class Histogram:
     min_vals: torch.Tensor
     max_vals: torch.Tensor
     absolute: bool = False
+
+    fields: ClassVar[tuple[Field, ...]] = (
+        Field("counts", Reduce.SUM),
+        Field("exponent", Reduce.GRID),
+        Field("offset", Reduce.GRID),
+        Field("min_vals", Reduce.MIN),
+        Field("max_vals", Reduce.MAX),
+    )
+    needs_values: ClassVar[bool] = True
+
+    # ------------------------------------------------------ statistic protocol
+
+    @classmethod
+    def empty(
+        cls,
+        qparam_shape: tuple[int, ...],
+        device: torch.device,
+        *,
+        bins: int = DEFAULT_BINS,
+        absolute: bool = False,
+        max_counts: int = DEFAULT_MAX_COUNTS,
+        owner: str = "histogram",
+    ) -> Histogram:
+        """No data (see `empty_histogram`), after `check_budget`."""
+        check_budget(math.prod(qparam_shape), bins, max_counts, owner)
+        return empty_histogram(qparam_shape, bins, absolute, device)
+
+    def scan(self, x_flat: torch.Tensor, *, exact_dtype: bool = False) -> Batch:
+        """The batch's range; per tensor also its counts on a speculated grid
+        in the same pass (`quantobs.stats.speculate`)."""
+        from quantobs.stats.speculate import speculate  # builds on this module
+
+        found = speculate(self, x_flat) if math.prod(self.qparam_shape) == 1 else None
+        if found is None:
+            return super().scan(x_flat, exact_dtype=exact_dtype)
+        low, high = found.batch_range
+        return Batch(None, low, high, int(x_flat.shape[0]), scan=found)
+
+    def omit_nonfinite(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Non-finite values become NaN, which binning skips (0 would count)."""
+        return torch.where(torch.isfinite(x_flat), x_flat, math.nan), True
+
+    def update(self, batch: Batch) -> Histogram:
+        """Count the batch (in place: the old value is given up)."""
+        if batch.x_flat is None:
+            raise ValueError("a histogram counts values; the batch has none")
+        return update_histogram(
+            self,
+            batch.x_flat,
+            (batch.min_vals, batch.max_vals),
+            has_nonfinite=batch.has_skipped,
+            inplace=True,
+            speculation=batch.scan,
+        )
+
+    def merge(self, other: Histogram) -> Histogram:
+        """Exact: see `merge_histograms`."""
+        return merge_histograms(self, other)
+
+    def align(self, reduced: Mapping[str, torch.Tensor]) -> Histogram:
+        """Re-binned to the grid of the reduced range (exact)."""
+        return widen(self, reduced["min_vals"], reduced["max_vals"])
 
     @property
     def bins(self) -> int:
@@ -135,29 +199,7 @@ class Histogram:
 
     def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(lo, hi)` float32 range the grid covers data of: `[0, amax]` if absolute."""
-        return _grid_range(self.min_vals, self.max_vals, self.absolute)
-
-    def to_stats(self) -> dict[str, torch.Tensor]:
-        """The tensors, by field name (an observer's `_stats`)."""
-        return {
-            "counts": self.counts,
-            "exponent": self.exponent,
-            "offset": self.offset,
-            "min_vals": self.min_vals,
-            "max_vals": self.max_vals,
-        }
-
-    @classmethod
-    def from_stats(cls, stats: dict[str, torch.Tensor], absolute: bool) -> Histogram:
-        """Inverse of `to_stats`."""
-        return cls(
-            stats["counts"],
-            stats["exponent"],
-            stats["offset"],
-            stats["min_vals"],
-            stats["max_vals"],
-            absolute,
-        )
+        return grid_range(self.min_vals, self.max_vals, self.absolute)
 
 
 def check_budget(
@@ -183,9 +225,11 @@ def check_budget(
         )
 
 
-def _grid_range(
+def grid_range(
     min_vals: torch.Tensor, max_vals: torch.Tensor, absolute: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data range a grid covers: `[min, max]`, or `[0, max |x|]` if absolute
+    (`(+inf, -inf)` where there is no data)."""
     if not absolute:
         return min_vals, max_vals
     amax = torch.maximum(-min_vals, max_vals)  # -inf where empty
@@ -321,7 +365,7 @@ def _chunks(n: int, q: int, g: int, stride: int) -> list[tuple[slice, slice, sli
     ]
 
 
-def _bin_counts(
+def bin_counts(
     x_flat: torch.Tensor,
     exponent: torch.Tensor,
     offset: torch.Tensor,
@@ -399,147 +443,12 @@ def _bin_counts(
         out += torch.stack(found_all).sum(dim=0)[:bins]
 
 
-@dataclass(frozen=True)
-class Speculation:
-    """A per-tensor batch counted on a grid in the same pass that found its
-    min/max (`speculate`); `update_histogram` completes it.
-
-    Attributes:
-        batch: the batch (by weak reference: `matches` tells whether a later
-            update is of the same tensor object).
-        source: the grid `(exponent, offset)` of the histogram speculated on.
-        exponent, offset: the grid counted on (the histogram's, or for an
-            empty histogram one guessed from a sample of the batch).
-        batch_range: `(min, max)` of the batch, each `(*Q,)` float32 (NaN
-            when the batch holds NaN).
-        counts: `(bins,)` int64 counts of the values inside that grid's window.
-        side: the other values, 1-D.
-    """
-
-    batch: weakref.ref[torch.Tensor]
-    source: tuple[torch.Tensor, torch.Tensor]
-    exponent: torch.Tensor
-    offset: torch.Tensor
-    batch_range: tuple[torch.Tensor, torch.Tensor]
-    counts: torch.Tensor
-    side: torch.Tensor
-
-    def matches(self, hist: Histogram, x_flat: torch.Tensor) -> bool:
-        """Whether this speculation counted `x_flat` for `hist`."""
-        return (
-            self.batch() is x_flat
-            and torch.equal(self.source[0], hist.exponent)
-            and torch.equal(self.source[1], hist.offset)
-        )
-
-
-# Values set aside as tiny are below 2**-100: a grid up to this exponent
-# cannot underflow the others (see qo_histogram_pass).
-_SPECULATION_MAX_EXPONENT = 49
-_SPECULATION_MIN_ELEMS = 1 << 16  # smaller batches: two passes cost little
-_SAMPLE = 4096  # values sampled to guess a first grid
-
-
-def _guess_grid(
-    hist: Histogram, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The histogram's grid, or for an empty one the grid of a sample's range."""
-    if bool((hist.min_vals <= hist.max_vals).all()):
-        return hist.exponent, hist.offset
-    sample = values[:: max(1, values.numel() // _SAMPLE)]
-    low, high = torch.aminmax(sample)
-    if not bool(torch.isfinite(low) & torch.isfinite(high)):
-        return None
-    shape = hist.min_vals.shape
-    return histogram_grid(
-        *_grid_range(low.reshape(shape), high.reshape(shape), hist.absolute),
-        hist.bins,
-    )
-
-
-def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
-    """Count a per-tensor batch on a known grid while finding its min/max.
-
-    Calibration batches mostly fall inside the range seen so far, so one
-    pass over the batch can do what otherwise takes two: values inside the
-    window of the histogram's grid (for an empty histogram, of a grid
-    guessed from a sample) are counted there, the few others set aside, and
-    `update_histogram` re-bins the counts once the batch's range is known
-    (exact: power-of-two grids nest) and bins the rest. None where it does
-    not apply: more than one qparam, small or non-float32 batches, no native
-    kernels, or more values outside the window than the budget.
-    """
-    if math.prod(hist.qparam_shape) != 1 or x_flat.dtype != torch.float32:
-        return None
-    if x_flat.numel() < _SPECULATION_MIN_ELEMS or not native.available():
-        return None
-    values = x_flat.reshape(-1)
-    grid = _guess_grid(hist, values)
-    if grid is None or int(grid[0].reshape(-1)[0]) > _SPECULATION_MAX_EXPONENT:
-        return None
-    exponent, offset = grid
-    threads = max(1, torch.get_num_threads())
-    cap = max(1 << 12, values.numel() // threads >> 7)
-    found = native.histogram_pass(
-        values,
-        2.0 ** -int(exponent.reshape(-1)[0]),
-        float(offset.reshape(-1)[0]),
-        hist.bins,
-        hist.absolute,
-        cap,
-    )
-    if found is None:
-        return None
-    ends, counts, side = found
-    if side is None:  # too many values outside the window
-        return None
-    if bool(side.isnan().any()):  # the kernel's min/max skip NaN
-        ends = torch.full_like(ends, math.nan)
-    shape = hist.min_vals.shape
-    return Speculation(
-        batch=weakref.ref(x_flat),
-        source=(hist.exponent, hist.offset),
-        exponent=exponent,
-        offset=offset,
-        batch_range=(ends[0].reshape(shape), ends[1].reshape(shape)),
-        counts=counts,
-        side=side,
-    )
-
-
-def _complete(
-    hist: Histogram, spec: Speculation, lo: torch.Tensor, hi: torch.Tensor
-) -> Histogram | None:
-    """`hist` plus a speculated batch of range `[lo, hi]`, or None (count again)."""
-    counted = Histogram(
-        counts=hist.counts + spec.counts.view(hist.counts.shape),
-        exponent=spec.exponent,
-        offset=spec.offset,
-        min_vals=torch.minimum(hist.min_vals, lo),  # holds data: rebin moves it
-        max_vals=torch.maximum(hist.max_vals, hi),
-        absolute=hist.absolute,
-    )
-    joined = _union(counted, lo, hi)
-    if int(joined.exponent.max()) > _SPECULATION_MAX_EXPONENT:
-        return None
-    if spec.side.numel():
-        _bin_counts(
-            spec.side.reshape(1, -1, spec.side.numel()),
-            joined.exponent.reshape(-1),
-            joined.offset.reshape(-1),
-            joined.counts.view(-1, hist.bins),
-            hist.absolute,
-            False,
-        )
-    return joined
-
-
-def _union(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:
+def widen(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:
     """`hist` re-binned to the grid of its data range joined with `[lo, hi]`."""
     min_vals = torch.minimum(hist.min_vals, lo)
     max_vals = torch.maximum(hist.max_vals, hi)
     exponent, offset = histogram_grid(
-        *_grid_range(min_vals, max_vals, hist.absolute), hist.bins
+        *grid_range(min_vals, max_vals, hist.absolute), hist.bins
     )
     moved = rebin(hist, exponent, offset)
     return replace(moved, min_vals=min_vals, max_vals=max_vals)
@@ -589,14 +498,14 @@ def update_histogram(
         and not has_nonfinite
         and speculation.matches(hist, x_flat)
     ):
-        done = _complete(hist, speculation, lo, hi)
+        done = speculation.complete(hist, lo, hi)
         if done is not None:
             return done
-    joined = _union(hist, lo, hi)
+    joined = widen(hist, lo, hi)
     counts = joined.counts
     if counts is hist.counts and not inplace:  # not re-binned: still shared
         counts = counts.clone()
-    _bin_counts(
+    bin_counts(
         x_flat,
         joined.exponent.reshape(-1),
         joined.offset.reshape(-1),
@@ -660,6 +569,6 @@ def merge_histograms(a: Histogram, b: Histogram) -> Histogram:
             f"(absolute={b.absolute}); use the same qparam shape, bins and "
             "absolute setting"
         )
-    joined_a = _union(a, b.min_vals, b.max_vals)
+    joined_a = widen(a, b.min_vals, b.max_vals)
     joined_b = rebin(b, joined_a.exponent, joined_a.offset)
     return replace(joined_a, counts=joined_a.counts + joined_b.counts)

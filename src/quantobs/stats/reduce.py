@@ -1,15 +1,19 @@
-"""Pure statistics over the canonical layout `(N, *qparam_shape, group_size)`.
+"""Per-qparam reductions over the canonical layout `(N, *qparam_shape, G)`.
 
-Each function reduces `x_flat` over dims `(0, -1)` in float32 and returns one
-value per quantization parameter. Merging is part of each statistic's contract:
-min/max merge exactly (`merge_minmax`), a moving average merges approximately
-(`merge_moving_average`, a count-weighted mean of the two averages).
+Every statistic starts from one of these: the batch's min and max per
+qparam (dims `(0, -1)` reduced), in float32 (float64 inputs may keep
+float64, `exact_dtype=True`). Min and max are exact, so every path (the
+native kernel, torch's reductions, any view of the data) gives the same
+numbers; NaN propagates, so the small result tells whether the batch held a
+non-finite value.
 
 NaN policy (what an observer does with non-finite inputs)::
 
-    policy   NaN / +-inf in the batch
-    raise    ValueError naming the observer, the base name and the count
-    omit     ignored: min/max skip them, errors count them as exact (x = 0)
+    policy      NaN / +-inf in the batch
+    raise       ValueError naming the observer and the count
+    omit        ignored: min/max skip them, histograms do not count them,
+                errors count them as exact (x = 0)
+    propagate   kept: NaN / inf reach the statistics (torch.ao's behaviour)
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import block_view, flatten_for_calibration
-from quantobs.core.qparams import range_or_zero
+from quantobs.native.dispatch import kernel
 
 __all__ = [
     "NanPolicy",
@@ -30,41 +34,107 @@ __all__ = [
     "absmax_or_zero",
     "count_nonfinite",
     "drop_nonfinite",
-    "lerp",
-    "lerp_ranges",
-    "merge_minmax",
-    "merge_moving_average",
     "minmax",
     "minmax_of",
     "minmax_omit_nonfinite",
     "range_or_zero",
+    "scan_range",
 ]
 
-NanPolicy = Literal["raise", "omit"]
+NanPolicy = Literal["raise", "omit", "propagate"]
 Range = tuple[torch.Tensor, torch.Tensor]  # (min_vals, max_vals)
 
+# Rows of an outer reduction reduced together on CPU: torch's amin/amax over
+# dim 0 of a large (P, M) tensor run at 2-3x the aminmax floor each; over
+# blocks of rows that fit in L2 (the amax pass re-reads the block from cache)
+# both together take 1.1-1.5x the floor (4096x4096, 16384x1024, 65536x256).
+_BLOCK_BYTES = 512 << 10
+# Below this many values per group, an (N, Q, G) layout with N > 1 is reduced
+# as an outer reduction over (N, Q * G) instead of short inner rows.
+_MIN_INNER = 16
 
-def minmax(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-qparam min and max: `(N, *Q, G) -> (*Q,), (*Q,)` in float32.
+
+def _outer_minmax(x2: torch.Tensor) -> Range:
+    """`(P, M) -> (M,), (M,)`: min and max over dim 0, in cache-sized blocks."""
+    rows = _BLOCK_BYTES // max(1, x2.shape[1] * x2.element_size())
+    if x2.device.type != "cpu" or rows < 2 or rows >= x2.shape[0]:
+        return x2.amin(0), x2.amax(0)
+    blocks = x2.split(rows)  # each (rows, M) fits in L2: amax re-reads from cache
+    min_vals, max_vals = blocks[0].amin(0), blocks[0].amax(0)
+    for block in blocks[1:]:
+        torch.minimum(min_vals, block.amin(0), out=min_vals)
+        torch.maximum(max_vals, block.amax(0), out=max_vals)
+    return min_vals, max_vals
+
+
+@kernel
+def _minmax3(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """`(N, Q, G)` contiguous -> `(Q,)` min and max in x3's dtype, and the
+    largest `|x|` when it came for free with every value finite (None here:
+    torch's reductions do not tell)."""
+    n, q, g = x3.shape
+    if g >= _MIN_INNER or n == 1:
+        # rows of G: inner reductions, then the small (N, Q) one
+        low, high = x3.amin(2), x3.amax(2)  # (N, Q)
+        if n == 1:
+            return low[0], high[0], None
+        return low.amin(0), high.amax(0), None
+    low, high = _outer_minmax(x3.reshape(n, q * g))  # (Q * G,)
+    return low.view(q, g).amin(1), high.view(q, g).amax(1), None
+
+
+def _minmax3_native(
+    x3: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
+    found = native.minmax(x3)
+    if found is None:
+        return None
+    low, high = found
+    finite = native.known_finite(low)
+    return low, high, native.known_absmax(low, high) if finite else None
+
+
+_minmax3.register("cpu", _minmax3_native)
+
+
+def _result_dtype(x: torch.Tensor, exact_dtype: bool) -> torch.dtype:
+    return torch.float64 if exact_dtype and x.dtype == torch.float64 else torch.float32
+
+
+def scan_range(
+    x_flat: torch.Tensor, *, exact_dtype: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """The batch's per-qparam min and max, and its absmax when free.
+
+    Args:
+        x_flat: `(N, *Q, G)` values (any float dtype, any device).
+        exact_dtype: keep float64 for float64 inputs (else float32).
+
+    Returns:
+        `(min_vals, max_vals, absmax)`: `(*Q,)` each (NaN where a group holds
+        NaN), and `max(-min, max, 0)` over every qparam where the native
+        kernel ran and every value was finite (else None).
+    """
+    qshape = tuple(x_flat.shape[1:-1])
+    dtype = _result_dtype(x_flat, exact_dtype)
+    if math.prod(qshape) == 1:  # one qparam: a single pass, the floor
+        low, high = torch.aminmax(x_flat)
+        return low.to(dtype).reshape(qshape), high.to(dtype).reshape(qshape), None
+    if not x_flat.is_contiguous():  # strided: torch reduces it in place
+        low, high = x_flat.amin(dim=(0, -1)), x_flat.amax(dim=(0, -1))
+        return low.to(dtype), high.to(dtype), None
+    low, high, absmax = _minmax3(x_flat.reshape(x_flat.shape[0], -1, x_flat.shape[-1]))
+    return low.to(dtype).reshape(qshape), high.to(dtype).reshape(qshape), absmax
+
+
+def minmax(x_flat: torch.Tensor, *, exact_dtype: bool = False) -> Range:
+    """Per-qparam min and max: `(N, *Q, G) -> (*Q,), (*Q,)`, float32.
 
     NaN propagates (any NaN in a group gives NaN there), so callers can test
     the small result for non-finite values instead of the whole input.
+    `exact_dtype` keeps float64 for float64 inputs.
     """
-    qshape = x_flat.shape[1:-1]
-    if math.prod(qshape) == 1:  # one qparam: a single pass, the floor
-        min_vals, max_vals = torch.aminmax(x_flat)
-        return min_vals.float().reshape(qshape), max_vals.float().reshape(qshape)
-    n, g = x_flat.shape[0], x_flat.shape[-1]
-    # contiguous only: a strided layout would be copied first (a second pass)
-    found = (
-        native.minmax(x_flat.reshape(n, -1, g), tuple(qshape))
-        if x_flat.is_contiguous()
-        else None
-    )
-    if found is not None:  # one pass, however small the groups
-        return found
-    min_vals = torch.amin(x_flat, dim=(0, -1)).to(torch.float32)
-    max_vals = torch.amax(x_flat, dim=(0, -1)).to(torch.float32)
+    min_vals, max_vals, _ = scan_range(x_flat, exact_dtype=exact_dtype)
     return min_vals, max_vals
 
 
@@ -73,7 +143,7 @@ def minmax_of(
     base_name: str,
     args: QuantizationArgs,
     g_idx: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Range:
     """`minmax(flatten_for_calibration(value, ...))`, skipping layout copies.
 
     Block weights are reduced on their 4-D block view (the canonical layout
@@ -87,17 +157,18 @@ def minmax_of(
     return minmax(flatten_for_calibration(value, base_name, args, g_idx))
 
 
-def minmax_omit_nonfinite(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def minmax_omit_nonfinite(x_flat: torch.Tensor, *, exact_dtype: bool = False) -> Range:
     """`minmax` ignoring NaN and +-inf.
 
     A qparam with no finite value gets the empty range `(+inf, -inf)`, the
-    identity of `merge_minmax`; `range_or_zero` turns it into `(0, 0)`.
+    identity of a min/max merge; `range_or_zero` turns it into `(0, 0)`.
     """
     finite = torch.isfinite(x_flat)
     inf = torch.tensor(float("inf"), dtype=x_flat.dtype, device=x_flat.device)
     min_vals = torch.where(finite, x_flat, inf).amin(dim=(0, -1))
     max_vals = torch.where(finite, x_flat, -inf).amax(dim=(0, -1))
-    return min_vals.to(torch.float32), max_vals.to(torch.float32)
+    dtype = _result_dtype(x_flat, exact_dtype)
+    return min_vals.to(dtype), max_vals.to(dtype)
 
 
 def count_nonfinite(x: torch.Tensor) -> int:
@@ -110,63 +181,36 @@ def drop_nonfinite(x_flat: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x_flat), x_flat, torch.zeros_like(x_flat))
 
 
-def merge_minmax(
-    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of two min/max statistics (associative, commutative)."""
-    return torch.minimum(a[0], b[0]), torch.maximum(a[1], b[1])
+def range_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> Range:
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    empty = min_vals > max_vals
+    if not bool(empty.any()):
+        return min_vals, max_vals
+    zero = torch.zeros_like(min_vals)
+    return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
 
 
-def lerp(old: torch.Tensor, new: torch.Tensor, weight: float) -> torch.Tensor:
-    """Moving-average step `old * (1 - weight) + new * weight`.
-
-    Written as llm-compressor writes it, so the numbers match bit for bit.
-    """
-    return (old * (1.0 - weight)) + (new * weight)
-
-
-def lerp_ranges(
-    old: tuple[torch.Tensor, torch.Tensor],
-    new: tuple[torch.Tensor, torch.Tensor],
-    weight: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`lerp` of two ranges where an empty range `(+inf, -inf)` is no data.
-
-    A qparam empty on one side takes the other side's range unchanged.
-    """
-    old_empty, new_empty = old[0] > old[1], new[0] > new[1]
-    out = []
-    for before, after in zip(old, new, strict=True):
-        mixed = lerp(before, after, weight)
-        mixed = torch.where(old_empty, after, mixed)
-        out.append(torch.where(new_empty, before, mixed))
-    return out[0], out[1]
+@kernel
+def _range_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> torch.Tensor:
+    min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    low = -min_vals.float().min().clamp(max=0.0)
+    return torch.maximum(low, max_vals.float().max().clamp(min=0.0)).reshape(1)
 
 
-def merge_moving_average(
-    a: torch.Tensor, count_a: int, b: torch.Tensor, count_b: int
-) -> torch.Tensor:
-    """Approximate merge of two moving averages: their count-weighted mean.
+def _range_absmax_native(
+    min_vals: torch.Tensor, max_vals: torch.Tensor
+) -> torch.Tensor | None:
+    found = native.range_absmax(min_vals, max_vals)
+    return None if found is None else torch.tensor([found], dtype=torch.float32)
 
-    A moving average depends on the order of its batches, so no merge can be
-    exact; this one equals the average over both when the batches are alike,
-    and is what an all-reduce with `AVG` gives for equal counts.
-    """
-    total = count_a + count_b
-    if total == 0:
-        return a
-    return (a * count_a + b * count_b) / total
+
+_range_absmax.register("cpu", _range_absmax_native)
 
 
 def absmax_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> torch.Tensor:
     """`(1,)` float32 largest `|value|` of the ranges, empty ones counting 0.
 
-    `max(-min, max, 0)` over every qparam with `min <= max` (one native pass
-    where the kernels apply); a non-finite range gives a non-finite result.
+    `max(-min, max, 0)` over every qparam with `min <= max`; a non-finite
+    range gives a non-finite result.
     """
-    amax = native.range_absmax(min_vals, max_vals)
-    if amax is not None:
-        return torch.tensor([amax], dtype=torch.float32)
-    min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    low = -min_vals.float().min().clamp(max=0.0)
-    return torch.maximum(low, max_vals.float().max().clamp(min=0.0)).reshape(1)
+    return _range_absmax(min_vals, max_vals)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import quantobs.faces.quark as ours
 from quantobs.faces.quark import QTensorConfig
-from quantobs.faces.quark import qparams as qp
+from quantobs.core.qparams import quark as qp
 from quantobs.faces.quark.blocks import block_minmax, channel_minmax
 
 INT_SPEC = {"round_method": "half_even", "scale_type": "float", "is_dynamic": False}

@@ -19,7 +19,7 @@ from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
 from quantobs.faces.torch_ao import minmax as minmax_module
-from quantobs.faces.torch_ao import qparams as ours_qparams
+from quantobs.core.qparams import torch_ao as ours_qparams
 from quantobs.faces.torch_ao.base import FLOAT32_EPS
 from quantobs.faces.torch_ao.minmax import channel_minmax
 

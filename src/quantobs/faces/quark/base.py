@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantobs.faces.quark import qparams as qp
+from quantobs.core.qparams import quark as qp
 from quantobs.faces.quark.spec import (
     Dtype,
     QSchemeType,

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantobs.faces.quark import qparams as qp
+from quantobs.core.qparams import quark as qp
 from quantobs.faces.quark.base import (
     FLOAT32_EPS,
     UniformScalingObserver,
@@ -191,7 +191,7 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         stats = {name: getattr(self, f"hist_{name}") for name in _ENGINE_FIELDS}
         if stats["counts"].numel() == 0:
             return None
-        return Histogram.from_stats(stats, self._absolute)
+        return Histogram.from_state(stats, absolute=self._absolute)
 
     def _update_engine(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_flat = self._flatten(x)
@@ -210,7 +210,7 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         hist = update_histogram(
             hist, x_flat, data_range, has_nonfinite=skip, inplace=True
         )
-        for name, value in hist.to_stats().items():
+        for name, value in hist.state().items():
             setattr(self, f"hist_{name}", value)
         return low, high
 

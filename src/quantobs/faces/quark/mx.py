@@ -6,7 +6,7 @@ or max-pooling for BFP16's blocks of 8; no transpose or padding copy) and
 keep one float32 amax per block, shape `(rows, num_blocks)` as in Quark.
 
 MX scale modes (`scale_calculation_mode`) are tabled in
-`quantobs.faces.quark.qparams`; element formats fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3,
+`quantobs.core.qparams.quark`; element formats fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3,
 fp8_e5m2 (Quark's `dtype=fp4` etc. with `scale_format="e8m0"`), and int8
 (`dtype="mx", mx_element_dtype="int8"`, OCP MXINT8: scale `2**exponent(amax)`,
 integer step `scale / 64`; Quark's observer rejects int8, its MX kernel uses
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from quantobs.faces.quark import qparams as qp
+from quantobs.core.qparams import quark as qp
 from quantobs.faces.quark.base import FLOAT32_EPS, ObserverBase, check_finite
 from quantobs.faces.quark.blocks import block_minmax
 from quantobs.faces.quark.spec import (

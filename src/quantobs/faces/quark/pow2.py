@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from quantobs.faces.quark import qparams as qp
+from quantobs.core.qparams import quark as qp
 from quantobs.faces.quark.base import warn_unobserved
 from quantobs.faces.quark.blocks import channel_view
 from quantobs.faces.quark.minmax import (

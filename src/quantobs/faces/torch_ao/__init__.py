@@ -85,7 +85,7 @@ from quantobs.faces.torch_ao.misc import (
     get_observer_state_dict,
     load_observer_state_dict,
 )
-from quantobs.faces.torch_ao.qparams import torch_qparams, torch_quant_range
+from quantobs.core.qparams.torch_ao import torch_qparams, torch_quant_range
 
 __all__ = [
     "FixedQParamsObserver",

@@ -4,7 +4,7 @@
 constructor signatures, attributes (`dtype`, `qscheme`, `quant_min`,
 `quant_max`, `reduce_range`, `has_customized_qrange`, `is_dynamic`) and
 buffers (`eps`), and the state-dict version (3) torch writes, so state dicts
-interchange. Range -> qparams is `quantobs.faces.torch_ao.qparams.torch_qparams`.
+interchange. Range -> qparams is `quantobs.core.qparams.torch_ao.torch_qparams`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from quantobs.faces.torch_ao.errors import (
     InvalidObserverArgument,
     UnsupportedObserverConfig,
 )
-from quantobs.faces.torch_ao.qparams import (
+from quantobs.core.qparams.torch_ao import (
     ALLOWED_DTYPES,
     ALLOWED_QSCHEMES,
     PER_TENSOR_QSCHEMES,
@@ -272,9 +272,12 @@ class UniformQuantizationObserverBase(ObserverBase):
                 + ", ".join(str(d) for d in ALLOWED_DTYPES)
             )
         self.has_customized_qrange = quant_min is not None and quant_max is not None
-        self.quant_min, self.quant_max = torch_quant_range(
-            dtype, quant_min, quant_max, reduce_range
-        )
+        try:
+            self.quant_min, self.quant_max = torch_quant_range(
+                dtype, quant_min, quant_max, reduce_range
+            )
+        except ValueError as error:  # torch asserts: the face's own type
+            raise InvalidObserverArgument(str(error)) from None
 
     def _reject_symmetric_reduced_quint8(self) -> None:
         if (
@@ -317,16 +320,19 @@ class UniformQuantizationObserverBase(ObserverBase):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point of the range `[min_val, max_val]` (per tensor
         or per channel) under this observer's dtype, qscheme and range."""
-        return torch_qparams(
-            min_val,
-            max_val,
-            dtype=self.dtype,
-            qscheme=self.qscheme,
-            quant_min=self.quant_min,
-            quant_max=self.quant_max,
-            eps=self.eps,
-            custom_range=self.has_customized_qrange,
-        )
+        try:
+            return torch_qparams(
+                min_val,
+                max_val,
+                dtype=self.dtype,
+                qscheme=self.qscheme,
+                quant_min=self.quant_min,
+                quant_max=self.quant_max,
+                eps=self.eps,
+                custom_range=self.has_customized_qrange,
+            )
+        except ValueError as error:  # torch asserts: the face's own type
+            raise InvalidObserverArgument(str(error)) from None
 
     def reset_min_max_vals(self) -> None:
         """Forget the observed range (not supported by every observer)."""

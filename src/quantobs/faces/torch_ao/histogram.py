@@ -47,7 +47,7 @@ from quantobs.faces.torch_ao.base import (
     reject_dynamic,
     require_qscheme,
 )
-from quantobs.faces.torch_ao.qparams import (
+from quantobs.core.qparams.torch_ao import (
     PER_TENSOR_QSCHEMES,
     SYMMETRIC_QSCHEMES,
     default_qparams,

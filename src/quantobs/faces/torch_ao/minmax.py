@@ -23,7 +23,7 @@ from quantobs.faces.torch_ao.base import (
     require_qscheme,
 )
 from quantobs.faces.torch_ao.errors import ObserverShapeError
-from quantobs.faces.torch_ao.qparams import PER_CHANNEL_QSCHEMES, PER_TENSOR_QSCHEMES
+from quantobs.core.qparams.torch_ao import PER_CHANNEL_QSCHEMES, PER_TENSOR_QSCHEMES
 
 __all__ = [
     "MinMaxObserver",
@@ -116,7 +116,7 @@ class MinMaxObserver(UniformQuantizationObserverBase):
     `min_val` / `max_val` (0-dim buffers, `+inf` / `-inf` before any data)
     hold the smallest and largest value so far; `calculate_qparams()` turns
     them into scale and zero point with torch.ao's rules (see
-    `quantobs.faces.torch_ao.qparams`).
+    `quantobs.core.qparams.torch_ao`).
 
     Args:
         dtype: quantized dtype.

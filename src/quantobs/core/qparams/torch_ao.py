@@ -35,10 +35,10 @@ Scale and zero point, for a range first extended to include 0::
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-
-from quantobs.faces.torch_ao.errors import InvalidObserverArgument
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -46,6 +46,7 @@ __all__ = [
     "PER_CHANNEL_QSCHEMES",
     "PER_TENSOR_QSCHEMES",
     "SYMMETRIC_QSCHEMES",
+    "TorchAORule",
     "default_qparams",
     "range_is_observed",
     "symmetric_zero_point",
@@ -111,7 +112,7 @@ def torch_quant_range(
         `(qmin, qmax)` as Python ints.
 
     Raises:
-        InvalidObserverArgument: a custom range that excludes 0, is empty, or
+        ValueError: a custom range that excludes 0, is empty, or
             is wider than 8 bits for (q)int8 / 32 bits for (q)int32.
     """
     if quant_min is None or quant_max is None:
@@ -119,18 +120,18 @@ def torch_quant_range(
             return _REDUCED_RANGES[dtype]
         return _DEFAULT_RANGES.get(dtype, _FALLBACK_RANGE)
     if not quant_min <= 0 <= quant_max:
-        raise InvalidObserverArgument(
+        raise ValueError(
             f"quant_min={quant_min}, quant_max={quant_max}: a custom quantization "
             "range must include 0; pick quant_min <= 0 <= quant_max"
         )
     if quant_min >= quant_max:
-        raise InvalidObserverArgument(
+        raise ValueError(
             f"quant_min={quant_min} must be strictly below quant_max={quant_max}"
         )
     levels = quant_max - quant_min + 1
     for kinds, bits in ((_INT8, 8), (_INT32, 32)):
         if dtype in kinds and levels > 2**bits:
-            raise InvalidObserverArgument(
+            raise ValueError(
                 f"quant_min={quant_min}, quant_max={quant_max} span {levels} "
                 f"levels, more than the {2**bits} of {dtype}; narrow the range"
             )
@@ -167,7 +168,7 @@ def range_is_observed(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
     `(+inf, -inf)` mean "nothing observed yet".
 
     Raises:
-        InvalidObserverArgument: some `min_val > max_val` (an inconsistent
+        ValueError: some `min_val > max_val` (an inconsistent
             observer state, e.g. from a hand-edited state dict).
     """
     unobserved = min_val.numel() == 0 or max_val.numel() == 0
@@ -183,7 +184,7 @@ def range_is_observed(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
         )
         return False
     if bool((min_val > max_val).any()):
-        raise InvalidObserverArgument(
+        raise ValueError(
             f"observer state has min_val > max_val (min_val={min_val}, "
             f"max_val={max_val}); reset the observer or load a consistent "
             "state dict"
@@ -257,3 +258,40 @@ def torch_qparams(
             value = int(zero_point)
         zero_point = torch.tensor([value], dtype=zero_point.dtype, device=device)
     return scale, zero_point
+
+
+@dataclass(frozen=True)
+class TorchAORule:
+    """torch.ao's rule (`_calculate_qparams`, torch 2.13): `torch_qparams`.
+
+    Attributes: as `torch_qparams`' keyword arguments (`eps` a float or the
+    observer's `(1,)` buffer).
+    """
+
+    name: ClassVar[str] = "torch_ao"
+    dtype: torch.dtype
+    qscheme: torch.qscheme
+    quant_min: int
+    quant_max: int
+    eps: torch.Tensor | float
+    custom_range: bool = False
+
+    def __call__(
+        self,
+        min_vals: torch.Tensor,
+        max_vals: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(scale, zero_point)` of the ranges (torch.ao has no global scale)."""
+        if global_scale is not None:
+            raise ValueError("torch.ao's rule has no global scale")
+        return torch_qparams(
+            min_vals,
+            max_vals,
+            dtype=self.dtype,
+            qscheme=self.qscheme,
+            quant_min=self.quant_min,
+            quant_max=self.quant_max,
+            eps=self.eps,
+            custom_range=self.custom_range,
+        )

@@ -13,42 +13,44 @@ non-finite or out-of-range result:
   (compressed-tensors rounds it to `inf` in float32 bits and returns an
   infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
 
-Power-of-two exponents, for MX scales and optional power-of-two int scales::
-
-    mode    exponent of amax = m * 2**e, 1 <= m < 2
-    even    e + 1 if m >= 1.75 else e   (OCP MX reference; compressed-tensors)
-    floor   e
-    ceil    e if m == 1 else e + 1
+MX scales (and optional power-of-two scales of other args) use
+`quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
+mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.formats import NumberFormat, get_format
+from quantobs.core.qparams.pow2 import (
+    E8M0_BIAS,
+    E8M0_MAX_EXP,
+    Pow2Rounding,
+    e8m0_scale,
+    pow2_exponent,
+)
+from quantobs.native.dispatch import kernel
 
 __all__ = [
-    "Pow2Rounding",
+    "CompressedTensorsRule",
     "all_finite",
     "amax_to_global_scale",
     "calculate_qparams",
     "calculate_range",
     "check_global_scale",
     "generate_gparam",
-    "pow2_exponent",
     "range_or_zero",
     "scale_to_storage",
     "storage_to_scale",
 ]
 
-Pow2Rounding = Literal["even", "floor", "ceil"]
-
-_E8M0_MAX_EXPONENT = 254  # biased; 255 is NaN in float8_e8m0fnu
-_E8M0_BIAS = 127
+_E8M0_MAX_BIASED = E8M0_MAX_EXP + E8M0_BIAS  # 254; 255 is NaN in float8_e8m0fnu
 
 
 def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
@@ -57,21 +59,20 @@ def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
     return fmt.min, fmt.max
 
 
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element is finite, from one small reduction per tensor.
+@kernel
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: NaN and +-inf propagate into
+    `aminmax`, so only its two ends are tested."""
+    return not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
 
-    NaN and +-inf propagate into `aminmax`, so only its two ends are tested
-    (float32 tensors: one native pass where the kernels are built).
-    """
-    natively = [native.all_finite(t) for t in tensors]
-    if False in natively:
-        return False
-    ends = [
-        torch.stack(torch.aminmax(t))
-        for t, done in zip(tensors, natively, strict=True)
-        if t.numel() and done is None
-    ]
-    return not ends or bool(torch.isfinite(torch.cat(ends)).all())
+
+_finite.register("cpu", native.all_finite)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of every tensor is finite (one small reduction
+    per tensor; float32 ones in one native pass where the kernels are built)."""
+    return all(_finite(t) for t in tensors)
 
 
 def range_or_zero(
@@ -111,36 +112,11 @@ def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
         )
 
 
-def pow2_exponent(amax: torch.Tensor, rounding: Pow2Rounding = "even") -> torch.Tensor:
-    """The power-of-two exponent of positive values under a rounding mode.
-
-    Args:
-        amax: float32 tensor of values `> 0` (zeros give `-inf`).
-        rounding: `even`, `floor` or `ceil`, see the module's truth table.
-
-    Returns:
-        float32 tensor of integer-valued exponents, same shape.
-    """
-    mantissa, exponent = torch.frexp(
-        amax
-    )  # amax = mantissa * 2**exponent, 0.5 <= m < 1
-    e = (exponent - 1).to(torch.float32)  # amax = (2 * mantissa) * 2**e
-    if rounding == "even":
-        e = e + (mantissa >= 0.875).to(torch.float32)
-    elif rounding == "ceil":
-        e = e + (mantissa > 0.5).to(torch.float32)
-    elif rounding != "floor":
-        raise ValueError(f"rounding={rounding!r}; use 'even', 'floor' or 'ceil'")
-    return torch.where(amax > 0, e, torch.full_like(e, float("-inf")))
-
-
 def _mx_scales(
     amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
 ) -> torch.Tensor:
     # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
-    biased = pow2_exponent(amax, rounding) - fmt.emax + _E8M0_BIAS
-    biased = biased.clamp(0, _E8M0_MAX_EXPONENT)
-    return torch.exp2(biased - _E8M0_BIAS)
+    return e8m0_scale(pow2_exponent(amax, rounding), fmt.emax)
 
 
 def _round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -185,9 +161,11 @@ def calculate_qparams(
         max_vals: `(*qparam_shape,)` maxima.
         args: the quantization args.
         global_scale: optional `(1,)` global scale (tensor_group / NVFP4).
-        pow2: power-of-two rounding of the exponent: MX scales use it (default
-            `"even"`); for other args it rounds the scale itself to a power of
-            two (`None`: no rounding).
+        pow2: power-of-two rounding of the exponent (`floor`, `ceil`, or
+            `round` to one mantissa bit; see `quantobs.core.qparams.pow2`): MX
+            scales use it (default `"round"`, compressed-tensors' rule); for
+            other args it rounds the scale itself to a power of two (`None`:
+            no rounding).
         empty_as_zero: treat a range with `min > max` (an observer's qparam
             that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
 
@@ -205,28 +183,27 @@ def calculate_qparams(
     _check_range_types(min_vals, max_vals)
     if global_scale is not None:
         check_global_scale(global_scale)
-    if pow2 is None:
-        fast = _native_symmetric(min_vals, max_vals, args, global_scale, empty_as_zero)
-        if fast is not None:
-            return fast
+    if args.symmetric and not args.is_mx and pow2 is None:
+        gscale = None if global_scale is None else float(global_scale.float())
+        scale = _symmetric_scales(
+            min_vals, max_vals, args.format, args.scale_dtype, gscale, empty_as_zero
+        )
+        return _with_zero_point(scale, None, args)
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals)
     out_dtype = min_vals.dtype
-    work = torch.float64 if out_dtype == torch.float64 else torch.float32
+    work = _work_dtype(out_dtype)
     fmt = args.format
     qmin, qmax = fmt.min, fmt.max
-    half_range = (qmax - qmin) / 2
 
     zero_point: torch.Tensor | None
-    if args.symmetric:
-        # max(|min|, |max|) of the range extended to contain 0:
-        # max(-min, max, 0), the same number in three passes instead of five
-        amax = torch.maximum(-min_vals.to(work), max_vals.to(work)).clamp_(min=0.0)
+    if args.symmetric:  # MX, or power-of-two scales
+        amax = _amax(min_vals, max_vals, work)
         if args.is_mx:
-            scale = _mx_scales(amax, fmt, pow2 or "even")
+            scale = _mx_scales(amax, fmt, pow2 or "round")
         else:
-            scale = amax.div_(half_range)
+            scale = amax.div_((qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below
     else:
         min_vals = torch.clamp(min_vals.to(work), max=0.0)
@@ -243,21 +220,94 @@ def calculate_qparams(
 
     if pow2 is not None and not args.is_mx:
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
+    scale_dtype = None if args.is_mx else args.scale_dtype
+    gscale = None if global_scale is None else global_scale.to(work)
+    scale = _finish_scale(scale, gscale, scale_dtype, out_dtype)
+    return _with_zero_point(scale, zero_point, args)
 
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _amax(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, work: torch.dtype
+) -> torch.Tensor:
+    """max(|min|, |max|) of the range extended to contain 0: max(-min, max, 0),
+    the same number in three passes instead of five (a fresh tensor)."""
+    return torch.maximum(-min_vals.to(work), max_vals.to(work)).clamp_(min=0.0)
+
+
+def _finish_scale(
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float | None,
+    scale_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Times the global scale, rounded to `scale_dtype`, in `out_dtype`, zeros
+    replaced by the dtype's smallest step (compressed-tensors' eps)."""
     if global_scale is not None:
-        scale = global_scale.to(work) * scale
+        scale = global_scale * scale
         if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
             raise ValueError(
                 "global_scale * scale overflowed; the global scale is too large "
                 "for this range (compute it with generate_gparam)"
             )
-
-    if args.scale_dtype is not None and not args.is_mx:
-        scale = _round_to_dtype(scale, args.scale_dtype)
+    if scale_dtype is not None:
+        scale = _round_to_dtype(scale, scale_dtype)
     scale = scale.to(out_dtype)
-    eps = _zero_scale_replacement(args.scale_dtype or out_dtype)
-    scale = scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
-    return _with_zero_point(scale, zero_point, args)
+    eps = _zero_scale_replacement(scale_dtype or out_dtype)
+    return scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
+
+
+@kernel
+def _symmetric_scales(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    fmt: NumberFormat,
+    scale_dtype: torch.dtype | None,
+    global_scale: float | None,
+    empty_as_zero: bool,
+) -> torch.Tensor:
+    """Symmetric (non-MX) scales: `max(-min, max, 0) / ((qmax - qmin) / 2)`,
+    times the global scale, rounded to `scale_dtype`, zeros -> eps."""
+    if empty_as_zero:
+        min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    _check_range(min_vals, max_vals)
+    work = _work_dtype(min_vals.dtype)
+    scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
+    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
+    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype)
+
+
+def _symmetric_scales_native(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    fmt: NumberFormat,
+    scale_dtype: torch.dtype | None,
+    global_scale: float | None,
+    empty_as_zero: bool,
+) -> torch.Tensor | None:
+    """The float32 arithmetic in one pass (NVFP4's 1M group scales); declines
+    (None) for other dtypes, and where the torch path must raise."""
+    scale_dtype = scale_dtype or torch.float32
+    if min_vals.dtype != torch.float32 or scale_dtype not in (
+        torch.float32,
+        torch.float8_e4m3fn,
+    ):
+        return None
+    return native.symmetric_scales(
+        min_vals,
+        max_vals,
+        (fmt.max - fmt.min) / 2,
+        global_scale,
+        scale_dtype == torch.float8_e4m3fn,
+        _zero_scale_replacement(scale_dtype),
+        empty_as_zero,
+    )
+
+
+_symmetric_scales.register("cpu", _symmetric_scales_native)
 
 
 def _with_zero_point(
@@ -275,35 +325,36 @@ def _with_zero_point(
     return scale, zero_point
 
 
-def _native_symmetric(
-    min_vals: torch.Tensor,
-    max_vals: torch.Tensor,
-    args: QuantizationArgs,
-    global_scale: torch.Tensor | None,
-    empty_as_zero: bool,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The symmetric float32 path in one native pass (NVFP4's 1M group
-    scales), or None where it does not apply or the torch path must raise."""
-    scale_dtype = args.scale_dtype or torch.float32
-    if (
-        not args.symmetric
-        or args.is_mx
-        or min_vals.dtype != torch.float32
-        or scale_dtype not in (torch.float32, torch.float8_e4m3fn)
-        or not native.available()
-    ):
-        return None
-    fmt = args.format
-    scale = native.symmetric_scales(
-        min_vals,
-        max_vals,
-        (fmt.max - fmt.min) / 2,
-        None if global_scale is None else float(global_scale.float()),
-        scale_dtype == torch.float8_e4m3fn,
-        _zero_scale_replacement(scale_dtype),
-        empty_as_zero,
-    )
-    return None if scale is None else _with_zero_point(scale, None, args)
+@dataclass(frozen=True)
+class CompressedTensorsRule:
+    """compressed-tensors' rule (0.19): `calculate_qparams` under `args`.
+
+    Attributes:
+        args: the quantization args.
+        pow2: power-of-two rounding (see `calculate_qparams`).
+        empty_as_zero: ranges with `min > max` count as `(0, 0)`.
+    """
+
+    name: ClassVar[str] = "compressed_tensors"
+    args: QuantizationArgs
+    pow2: Pow2Rounding | None = None
+    empty_as_zero: bool = False
+
+    def __call__(
+        self,
+        min_vals: torch.Tensor,
+        max_vals: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(scale, zero_point)` of the ranges (see `calculate_qparams`)."""
+        return calculate_qparams(
+            min_vals,
+            max_vals,
+            self.args,
+            global_scale,
+            pow2=self.pow2,
+            empty_as_zero=self.empty_as_zero,
+        )
 
 
 def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
@@ -401,8 +452,8 @@ def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tenso
     that is the `scale_dtype`); other scales are cast to `scale_dtype` when set.
     """
     if args.is_mx:
-        exponent = torch.log2(scale.float()).round() + _E8M0_BIAS
-        codes = exponent.clamp(0, _E8M0_MAX_EXPONENT).to(torch.uint8)
+        exponent = torch.log2(scale.float()).round() + E8M0_BIAS
+        codes = exponent.clamp(0, _E8M0_MAX_BIASED).to(torch.uint8)
         if args.scale_dtype == torch.float8_e8m0fnu:
             return codes.view(torch.float8_e8m0fnu)
         return codes
@@ -417,7 +468,7 @@ def storage_to_scale(
     """Inverse of `scale_to_storage`: stored scales back to float `dtype`."""
     if args.is_mx and scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
         codes = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-        return torch.exp2(codes.to(torch.float32) - _E8M0_BIAS).to(dtype)
+        return torch.exp2(codes.to(torch.float32) - E8M0_BIAS).to(dtype)
     if scale.dtype.is_floating_point and scale.dtype.itemsize == 1:
         return scale.to(dtype)
     return scale

@@ -1,0 +1,350 @@
+"""The observer engine: the one base class of every observer, in every face.
+
+An observer is (statistic, solver, qparams rule, typed options). The engine
+owns what all of them share, once:
+
+* the statistic, kept in registered buffers (named by the face: torch.ao's
+  `min_val` / `max_val`, ...), so `.to()`, `.cuda()`, `state_dict()` /
+  `load_state_dict()` (buffers take the saved shapes), `copy.deepcopy` and
+  `torch.save` just work;
+* observing a batch in the canonical layout `(N, *qparam_shape, G)`: the
+  statistic's scan (range, and what else it finds in that pass), the NaN
+  policy (`quantobs.stats.reduce`'s table), the qparam-shape check, the
+  update;
+* merging another observer's statistic (exact where the statistic is) and
+  resetting.
+
+A subclass says which statistic it keeps (`statistic_type`,
+`statistic_config`), turns its inputs into the canonical layout, and turns
+the statistic into a range (its solver) and the range into qparams (its
+rule). Hooks let a face keep its peer's state-dict layout (`buffer_names`,
+`_write_state`, `_read_state`) and exception types (`_shape_error`,
+`_nonfinite_error`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, ClassVar, TypeVar, get_args
+
+import torch
+
+from quantobs.core.qparams import all_finite
+from quantobs.stats.base import Batch, Statistic
+from quantobs.stats.reduce import (
+    NanPolicy,
+    count_nonfinite,
+    minmax_omit_nonfinite,
+)
+
+__all__ = ["ObserverEngine"]
+
+E = TypeVar("E", bound="ObserverEngine")
+
+
+def clone_statistic(stat: Statistic) -> Statistic:
+    """A copy of a statistic whose tensors are its own."""
+    state = {name: value.clone() for name, value in stat.state().items()}
+    return type(stat).from_state(state, **stat.config())
+
+
+class ObserverEngine(torch.nn.Module):
+    """Base of every observer: a statistic in buffers, observed and merged.
+
+    Args:
+        nan_policy: `"raise"`, `"omit"` or `"propagate"` (see
+            `quantobs.stats.reduce`).
+
+    Raises:
+        ValueError: an unknown NaN policy.
+    """
+
+    #: The statistic kept (`statistic_type()` may choose per instance).
+    Statistic: ClassVar[type[Statistic] | None] = None
+    #: Statistic field -> buffer name, where a face keeps its peer's names.
+    buffer_names: ClassVar[Mapping[str, str]] = {}
+    #: Keep float64 statistics for float64 inputs (faces computing in the
+    #: input's dtype); else float32.
+    exact_dtype: ClassVar[bool] = False
+    #: Whether the observer reads a batch's values beyond what its statistic
+    #: needs (e.g. a per-batch MSE search).
+    needs_values: ClassVar[bool] = False
+
+    _device_marker: torch.Tensor
+
+    def __init__(self, *, nan_policy: NanPolicy = "raise") -> None:
+        super().__init__()
+        if nan_policy not in get_args(NanPolicy):
+            raise ValueError(
+                f"nan_policy={nan_policy!r} is not one of {list(get_args(NanPolicy))}"
+            )
+        self.nan_policy: NanPolicy = nan_policy
+        # Where statistics loaded into an observer without any go (moves
+        # with `.to()`; not saved).
+        self.register_buffer("_device_marker", torch.empty(0), persistent=False)
+
+    # ------------------------------------------------------------ statistic
+
+    def statistic_type(self) -> type[Statistic] | None:
+        """The statistic this observer keeps (default: the class's `Statistic`)."""
+        return self.Statistic
+
+    def statistic_config(self) -> dict[str, Any]:
+        """Settings of the statistic (its `empty` / `from_state` config)."""
+        return {}
+
+    def _buffer_name(self, field: str) -> str:
+        return self.buffer_names.get(field, field)
+
+    def _read_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        """The statistic's state from the buffers' values, or None for "no
+        statistic" (a face's own convention for it, e.g. empty buffers)."""
+        return state
+
+    def _write_state(self, field: str, value: torch.Tensor) -> torch.Tensor:
+        """A state field as its buffer keeps it (a face may pin dtype/shape)."""
+        return value
+
+    def statistic(self) -> Statistic | None:
+        """The current statistic, from the buffers (None before any data)."""
+        stype = self.statistic_type()
+        if stype is None:
+            return None
+        state: dict[str, torch.Tensor] = {}
+        for field in stype.fields:
+            value = self._buffers.get(self._buffer_name(field.name))
+            if value is None:
+                if field.optional:
+                    continue
+                return None
+            state[field.name] = value
+        found = self._read_state(state)
+        return (
+            None
+            if found is None
+            else stype.from_state(found, **self.statistic_config())
+        )
+
+    def _store(self, stat: Statistic | None) -> None:
+        """Write a statistic (or none) into the buffers."""
+        stype = self.statistic_type()
+        if stype is None:
+            return
+        state = {} if stat is None else stat.state()
+        for field in stype.fields:
+            name = self._buffer_name(field.name)
+            value = state.get(field.name)
+            if value is not None:
+                value = self._write_state(field.name, value)
+            if name in self._buffers:
+                self._buffers[name] = value
+            elif value is not None:
+                self.register_buffer(name, value)
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether anything has been observed since construction or reset."""
+        return self.statistic() is not None
+
+    # --------------------------------------------------------------- observe
+
+    def _needs_values(self) -> bool:
+        stype = self.statistic_type()
+        return self.needs_values or (stype is not None and stype.needs_values)
+
+    def _new_statistic(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        stype = self.statistic_type()
+        if stype is None:
+            raise TypeError(f"{type(self).__name__} keeps no statistic")
+        return stype.empty(qparam_shape, device, **self.statistic_config())
+
+    def _current_for(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        """The statistic to fold a batch of `qparam_shape` into (a new empty
+        one before any data).
+
+        Raises:
+            the face's `_shape_error`: the qparam shape changed.
+        """
+        current = self.statistic()
+        if current is None:
+            return self._new_statistic(qparam_shape, device)
+        if current.qparam_shape != qparam_shape:
+            raise self._shape_error(current.qparam_shape, qparam_shape)
+        return current
+
+    def _observe(self, x_flat: torch.Tensor) -> Statistic:
+        """Fold one batch in the canonical layout `(N, *Q, G)` in.
+
+        Returns:
+            The new statistic (also in the buffers).
+        """
+        qshape = tuple(x_flat.shape[1:-1])
+        stat = self._current_for(qshape, x_flat.device)
+        batch = stat.scan(x_flat, exact_dtype=self.exact_dtype)
+        return self._fold(stat, batch, lambda: x_flat)
+
+    def _fold(
+        self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
+    ) -> Statistic:
+        """Apply the NaN policy to a scanned batch and update `stat` with it.
+
+        Args:
+            stat: the statistic to update (`_current_for` the batch).
+            batch: the batch's range (and scan).
+            values: the batch in the canonical layout (called only when the
+                values are needed: a value-reading statistic, or non-finite
+                values to count or drop).
+        """
+        batch = self._apply_nan_policy(stat, batch, values)
+        if batch.x_flat is None and self._needs_values():
+            batch = replace(batch, x_flat=values())
+        new = stat.update(self._prepare_batch(batch))
+        self._store(new)
+        return new
+
+    def _prepare_batch(self, batch: Batch) -> Batch:
+        """Hook: what the statistic gets of a batch (e.g. a searched range)."""
+        return batch
+
+    def _apply_nan_policy(
+        self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
+    ) -> Batch:
+        # NaN and inf propagate into the range, so only it is checked; a
+        # range that came with its absmax was seen whole and finite.
+        if self.nan_policy == "propagate" or batch.absmax is not None:
+            return batch
+        if all_finite(batch.min_vals, batch.max_vals):
+            return batch
+        x_flat = values()
+        if self.nan_policy == "raise":
+            raise self._nonfinite_error(x_flat)
+        low, high = minmax_omit_nonfinite(x_flat, exact_dtype=self.exact_dtype)
+        kept, skipped = None, False
+        if self._needs_values():
+            kept, skipped = stat.omit_nonfinite(x_flat)
+        return Batch(kept, low, high, batch.num_observations, has_skipped=skipped)
+
+    # ---------------------------------------------------------------- errors
+
+    def _describe(self) -> str:
+        return type(self).__name__
+
+    def _shape_error(
+        self, before: tuple[int, ...], after: tuple[int, ...]
+    ) -> Exception:
+        return ValueError(
+            f"{self._describe()}: qparam shape changed from {before} to {after}; "
+            "call reset() before observing a differently shaped tensor"
+        )
+
+    def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
+        return ValueError(
+            f"{self._describe()} got {count_nonfinite(x_flat)} non-finite "
+            "value(s) (NaN or inf); fix the input or pass nan_policy='omit' to "
+            "ignore them"
+        )
+
+    # ----------------------------------------------------------- merge, reset
+
+    def _check_merge(self, other: ObserverEngine) -> None:
+        """Hook: raise if `other`'s settings differ (args, options, ...)."""
+
+    def _merged(self, other: ObserverEngine) -> None:
+        """Hook: fold `other`'s counts in after the statistics merged."""
+
+    def merge(self: E, other: E) -> E:
+        """Fold `other`'s statistic into this observer's (returns `self`).
+
+        Exact for exact statistics (`Statistic.exact`): the result equals
+        observing both observers' batches.
+
+        Raises:
+            TypeError: `other` is a different observer class.
+            ValueError: different settings or qparam shapes.
+        """
+        if type(other) is not type(self):
+            raise TypeError(
+                f"cannot merge {type(other).__name__} into {type(self).__name__}"
+            )
+        self._check_merge(other)
+        mine, theirs = self.statistic(), other.statistic()
+        if theirs is not None:
+            if mine is None:
+                self._store(clone_statistic(theirs))
+            elif mine.qparam_shape != theirs.qparam_shape:
+                raise ValueError(
+                    f"cannot merge qparam shapes {mine.qparam_shape} and "
+                    f"{theirs.qparam_shape}"
+                )
+            else:
+                self._store(mine.merge(theirs))
+        self._merged(other)
+        return self
+
+    def _initial_statistic(self) -> Statistic | None:
+        """The statistic after `reset()` (None: no buffers at all)."""
+        return None
+
+    def reset(self) -> None:
+        """Forget every statistic."""
+        self._store(self._initial_statistic())
+
+    # ----------------------------------------------------------- state dicts
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Statistic buffers take the saved shapes and dtypes (per-channel
+        # ranges, grown histograms, statistics of an observer that had
+        # none); an observer saved without statistics loads as one.
+        stype = self.statistic_type()
+        if stype is not None:
+            names = [self._buffer_name(f.name) for f in stype.fields]
+            saved = {n: state_dict.get(prefix + n) for n in names}
+            required = [
+                self._buffer_name(f.name) for f in stype.fields if not f.optional
+            ]
+            if not any(isinstance(saved[n], torch.Tensor) for n in required):
+                for name in names:
+                    if name in self._buffers and self._may_drop(name):
+                        self._buffers[name] = None
+            for name, value in saved.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                current = self._buffers.get(name)
+                device = (
+                    current if current is not None else self._device_marker
+                ).device
+                fresh = torch.empty_like(value, device=device)
+                if name in self._buffers:
+                    self._buffers[name] = fresh
+                else:
+                    self.register_buffer(name, fresh)
+        super()._load_from_state_dict(
+            state_dict,
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
+        )
+
+    def _may_drop(self, name: str) -> bool:
+        """Whether a statistic buffer may be absent (None): faces whose peer
+        always has its buffers say no."""
+        return True
