@@ -1,13 +1,14 @@
 """Optional native kernels: min/max, MSE candidate errors, histogram counts.
 
-`_kernels.c` is compiled once per machine with the system C compiler (`$CC`
-or `cc`; OpenMP when the compiler has it), cached under
-`$QUANTOBS_CACHE_DIR` (default `~/.cache/quantobs`) and loaded with ctypes.
-Nothing requires it: without a compiler, or with `QUANTOBS_NATIVE=0`, or
-after `set_enabled(False)`, every caller runs its eager torch twin, which
-gives the same min/max bit for bit and the same MSE errors to float32
-rounding (the kernel's `|e| ** 2.4` is within 3e-7 relative of `powf`, and
-sums are float64).
+The Python wrappers of the kernels (the ops). The library they call is built
+when quantobs is installed and loaded with ctypes by
+`quantobs.native.loader` (how it is built: `quantobs.native.build`; its C
+sources: `qo_*.c` next to this file). Nothing requires it: without it (no C
+compiler at install: one `RuntimeWarning` says so), with
+`QUANTOBS_NATIVE=0`, or after `set_enabled(False)`, every caller runs its
+eager torch twin, which gives the same min/max bit for bit and the same MSE
+errors to float32 rounding (the kernel's `|e| ** 2.4` is within 3e-7
+relative of `powf`, and sums are float64). `backend_info()` says which runs.
 
 The kernels take contiguous float32 CPU tensors (the canonical layout
 `(N, Q, G)` where they reduce per qparam); each function returns None (or
@@ -18,27 +19,24 @@ False) where it does not apply, and the caller falls back to torch.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import weakref
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantobs.core.formats import NumberFormat
 
+if TYPE_CHECKING:
+    from quantobs.native.loader import BackendInfo
+
 __all__ = [
     "add_counts",
     "all_finite",
     "available",
+    "backend_info",
     "entropy",
     "histc",
     "histogram_pass",
@@ -56,12 +54,6 @@ __all__ = [
     "torch_l2_terms",
 ]
 
-_LOG = logging.getLogger("quantobs")
-_SOURCE = Path(__file__).with_name("_kernels.c")
-_COMMON = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
-_COMMON += ["-fno-trapping-math"]  # lets rintf vectorize; values are unchanged
-# Tried in order: tuned for this CPU with threads, then portable, then serial.
-_FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 _NORMS = (2.0, 2.4)  # the kernel's fast error powers; others stay eager
 _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
 _LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
@@ -69,11 +61,6 @@ _EXACT_QUOTIENT = 1 << 28  # torch_l2_terms: bins * dst_nbins below this
 _SERIAL_ELEMS = 1 << 13  # torch_l2_terms runs this much work on one thread
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_F = ctypes.c_float
-_INT = ctypes.c_int
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -83,93 +70,12 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
-def _cpu_key() -> str:
-    """What `-march=native` depends on: the CPU's feature flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compile(compiler: str, flags: list[str], target: Path) -> bool:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        command = [compiler, *_COMMON, *flags, str(_SOURCE), "-o", str(out), "-lm"]
-        try:
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=120
-            )
-        except (OSError, subprocess.SubprocessError) as error:
-            _LOG.info("quantobs: native kernels not built (%s)", error)
-            return False
-        if result.returncode != 0:
-            _LOG.info(
-                "quantobs: %s failed: %s", " ".join(command), result.stderr[-500:]
-            )
-            return False
-        os.replace(out, target)  # atomic: concurrent builders race harmlessly
-    return True
-
-
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        _LOG.info("quantobs: no C compiler; using the torch kernels")
-        return None
-    cache = Path(
-        os.environ.get("QUANTOBS_CACHE_DIR", Path.home() / ".cache" / "quantobs")
-    )
-    for flags in _FLAG_SETS:
-        key = hashlib.sha256(
-            "\0".join(
-                [_SOURCE.read_text(), compiler, *_COMMON, *flags, _cpu_key()]
-            ).encode()
-        ).hexdigest()[:16]
-        target = cache / f"kernels-{platform.machine()}-{key}.so"
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            if not target.exists() and not _compile(compiler, flags, target):
-                continue
-            lib = ctypes.CDLL(str(target))
-        except OSError as error:
-            _LOG.info("quantobs: native kernels not loaded (%s)", error)
-            continue
-        lib.qo_minmax.argtypes = [_P, _I, _I, _I, _P, _P, _P, _INT]
-        lib.qo_minmax.restype = _I
-        lib.qo_mse_errors.argtypes = [_P, _I, _I, _I, _I, _P, _P, _F, _F]
-        lib.qo_mse_errors.argtypes += [_INT, _INT, _INT, _F, _P, _INT]
-        lib.qo_mse_errors.restype = None
-        lib.qo_histogram.argtypes = [_P, _I, _I, _I, _P, _P, _I, _INT, _P, _INT]
-        lib.qo_histogram.restype = None
-        lib.qo_histogram_pass.argtypes = [_P, _I, _F, _F, _I, _INT, _P, _P, _P, _I]
-        lib.qo_histogram_pass.argtypes += [_P, _INT]
-        lib.qo_histogram_pass.restype = _I
-        lib.qo_torch_l2_terms.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _INT]
-        lib.qo_torch_l2_terms.restype = _I
-        lib.qo_histc.argtypes = [_P, _I, _F, _F, _I, _P, _INT]
-        lib.qo_histc.restype = None
-        lib.qo_l2_errors.argtypes = [_P, _I, _P, _P, _I, _I, _P, _INT]
-        lib.qo_l2_errors.restype = None
-        lib.qo_l2_survivors.argtypes = [_P, _P, _P, _P, ctypes.c_double, _I, _I]
-        lib.qo_l2_survivors.argtypes += [_I, _I, ctypes.c_double, _P, _I, _INT]
-        lib.qo_l2_survivors.restype = _I
-        lib.qo_entropy.argtypes = [_P, _I, _I, _P, _I, _I, _I, _P, _INT]
-        lib.qo_entropy.restype = None
-        lib.qo_all_finite.argtypes = [_P, _I, _INT]
-        lib.qo_all_finite.restype = _I
-        lib.qo_symmetric_scales.argtypes = [_P, _P, _I, _F, _F, _INT, _INT, _F]
-        lib.qo_symmetric_scales.argtypes += [_INT, _P, _INT]
-        lib.qo_symmetric_scales.restype = _I
-        lib.qo_range_absmax.argtypes = [_P, _P, _I, _P, _INT]
-        lib.qo_range_absmax.restype = _I
-        lib.qo_pow24.argtypes = [_P, _P, _I]
-        lib.qo_pow24.restype = None
-        return lib
-    return None
+    # Imported late: `python -m quantobs.native.build` runs build.py, which
+    # must not be imported before (the loader imports it).
+    from quantobs.native import loader
+
+    return loader.library()
 
 
 def _loaded() -> ctypes.CDLL:
@@ -180,8 +86,21 @@ def _loaded() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the native kernels are enabled and built (builds on first call)."""
+    """Whether the native kernels are enabled and loaded.
+
+    The first call loads the library; if it is missing, fails to load or is
+    stale, that call issues one `RuntimeWarning` (per process) and the
+    callers run torch. No warning while the kernels are turned off.
+    """
     return _enabled and _library() is not None
+
+
+def backend_info() -> BackendInfo:
+    """Which implementation runs the ops (native: the library and its build;
+    torch: why). Loads the library if enabled; never warns."""
+    from quantobs.native import loader
+
+    return loader.backend_info(_enabled)
 
 
 def _usable(x: torch.Tensor) -> bool:
