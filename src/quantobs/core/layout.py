@@ -15,6 +15,8 @@ block strategies, against its grouped view), which is the scale shape that
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,8 +25,11 @@ from quantobs.core.args import QuantizationArgs
 __all__ = [
     "BASE_NAMES",
     "block_view",
+    "channel_view",
     "check_supported",
     "flatten_for_calibration",
+    "group_view",
+    "normalize_axis",
     "num_observations_of",
     "qparam_shape",
     "validate_g_idx",
@@ -261,3 +266,89 @@ def qparam_shape(
     """
     meta = torch.empty(tuple(shape), device="meta")
     return tuple(flatten_for_calibration(meta, base_name, args).shape[1:-1])
+
+
+# ------------------------------------------------- views along an axis
+#
+# The faces of torch.ao and Quark name a channel axis instead of a base name.
+# These views put any tensor in the canonical layout for such an axis; every
+# statistic reduces dims (0, -1) of them as of any other.
+
+
+def normalize_axis(axis: int, ndim: int, what: str = "ch_axis") -> int:
+    """`axis` in `0 .. ndim - 1`.
+
+    Raises:
+        ValueError: `axis` is out of range for an `ndim`-dimensional input.
+    """
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{what}={axis} is out of range for a {ndim}-D input; use an axis "
+            f"in {-ndim}..{ndim - 1}"
+        )
+    return axis % ndim
+
+
+def channel_view(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """`x` as `(N, C, G)` for the channels along `axis` (canonical layout).
+
+    The dims before the axis become `N`, those after it `G` (1-D inputs:
+    each element a channel). A contiguous tensor, or a permutation of one
+    (a transposed weight), is viewed without a copy: the other dims are
+    taken in memory order, which no statistic of the layout depends on.
+
+    Raises:
+        ValueError: a 0-dim `x`, or `axis` out of range.
+    """
+    if x.ndim == 0:
+        raise ValueError(
+            "a per-channel observer needs an input with at least one dim, got "
+            "a 0-dim tensor"
+        )
+    axis = normalize_axis(axis, x.ndim)
+    if not x.is_contiguous():
+        order = sorted(range(x.ndim), key=lambda d: -x.stride(d))
+        in_memory_order = x.permute(order)
+        if in_memory_order.is_contiguous():
+            x, axis = in_memory_order, order.index(axis)
+    pre = math.prod(x.shape[:axis])
+    post = math.prod(x.shape[axis + 1 :])
+    return x.reshape(pre, x.shape[axis], post)  # (N, C, G)
+
+
+def group_view(
+    x: torch.Tensor, axis: int, group_size: int, *, pad: bool = False
+) -> torch.Tensor:
+    """`x` as `(1, rows, num_groups, group_size)`: groups along `axis`.
+
+    Quark's layout: `axis` swapped with the last dim, every other dim
+    flattened into rows (a view when `axis` is the last dim and the groups
+    divide it).
+
+    Args:
+        x: any shape (a 0-dim tensor counts as 1-D).
+        axis: the axis the groups run along.
+        group_size: values per group, or -1 for the whole axis.
+        pad: allow a trailing partial group, zero-padded (Quark's MX / BFP
+            blocks); otherwise the group size must divide the axis.
+
+    Raises:
+        ValueError: `axis` out of range, or a group size that does not divide
+            the axis (without `pad`).
+    """
+    if x.ndim == 0:
+        x = x.reshape(1)
+    axis = normalize_axis(axis, x.ndim)
+    size = x.shape[axis]
+    group = size if group_size == -1 else group_size
+    remainder = size % group
+    if remainder and not pad:
+        raise ValueError(
+            f"the axis {axis} of size {size} does not divide into groups of "
+            f"{group}; use a group_size that divides {size}"
+        )
+    rows = x.transpose(axis, -1)
+    if remainder:
+        rows = F.pad(rows, (0, group - remainder))
+    rows = rows.reshape(-1, rows.shape[-1])  # (rows, padded axis)
+    return rows.reshape(1, rows.shape[0], -1, group)
