@@ -5,14 +5,21 @@
 # Every pip install passes -c constraints.txt: it pins torch to the CPU build
 # (an unpinned torch would pull a multi-GB CUDA build) and the dev tools to the
 # versions the developers use. Set-up is idempotent: a stamp file per extra
-# set, rebuilt only when pyproject.toml or constraints.txt change.
+# set, rebuilt only when pyproject.toml, setup.py or constraints.txt change.
+#
+# The native kernels: `pip install -e` builds them in place (setup.py's
+# optional extension, src/quantobs/native/_qo_kernels.so). When their C
+# sources change afterwards, `make run`, `make test` and `make bench` rebuild
+# them first (src/quantobs/native/build.py --if-stale: a no-op while the
+# library's embedded source hash matches the sources).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 CONSTRAINTS := constraints.txt
-SETUP_INPUTS := pyproject.toml $(CONSTRAINTS)
+SETUP_INPUTS := pyproject.toml setup.py $(CONSTRAINTS)
+NATIVE_BUILD := $(BIN)/python src/quantobs/native/build.py
 
 STAMP_CLI := $(VENV)/.stamp-cli
 STAMP_DEV := $(VENV)/.stamp-dev
@@ -23,13 +30,14 @@ RUN_ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test setup setup-dev lint format typecheck pytest bench clean
+.PHONY: help run test setup setup-dev native lint format typecheck pytest bench clean
 
 help:
 	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs weights' on the default model"
 	@echo "make test       set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
 	@echo "make format     apply ruff format and the safe ruff fixes"
 	@echo "make bench      run benchmarks/bench_qparams.py"
+	@echo "make native     rebuild the native kernels in place (src/quantobs/native)"
 	@echo "make clean      remove $(VENV) and tool caches"
 
 $(BIN)/python:
@@ -49,8 +57,13 @@ $(STAMP_DEV): $(SETUP_INPUTS) | $(BIN)/python
 setup: $(STAMP_CLI)
 setup-dev: $(STAMP_DEV)
 
+# Without a C compiler the job still runs (torch kernels, with a warning).
 run: $(STAMP_CLI)
+	-$(NATIVE_BUILD) --if-stale
 	$(BIN)/quantobs weights $(RUN_ARGS)
+
+native: | $(BIN)/python
+	$(NATIVE_BUILD)
 
 # Each step exits non-zero on failure and make stops there; all of them are
 # what .pre-commit-config.yaml runs too.
@@ -64,6 +77,7 @@ typecheck: $(STAMP_DEV)
 	$(BIN)/mypy src
 
 pytest: $(STAMP_DEV)
+	$(NATIVE_BUILD) --if-stale
 	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 format: $(STAMP_DEV)
@@ -71,7 +85,9 @@ format: $(STAMP_DEV)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP_DEV)
+	$(NATIVE_BUILD) --if-stale
 	$(BIN)/python benchmarks/bench_qparams.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf build src/quantobs/native/_qo_kernels.*

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 import quantobs
 import quantobs.cli.default_model as default_model
+from quantobs import native
 from quantobs.cli import EXIT_OK, EXIT_USAGE, main
 
 
@@ -125,6 +126,29 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     code, _, err = run(capsys)
     assert code == EXIT_USAGE
     assert "usage: quantobs" in err
+
+
+def test_info_reports_the_native_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "info")
+    assert code == EXIT_OK, err
+    lines = out.splitlines()
+    assert lines[0] == f"quantobs {quantobs.__version__}"
+    assert f"torch {torch.__version__}" in lines[1]
+    assert "backend: native kernels" in lines
+    info = native.backend_info()
+    assert f"  library: {info.path} (built at install, sources " in out
+    assert f"  this CPU runs: {info.isa}" in lines
+
+
+def test_info_reports_torch_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    previous = native.set_enabled(False)
+    try:
+        code, out, _ = run(capsys, "info")
+    finally:
+        native.set_enabled(previous)
+    assert code == EXIT_OK
+    assert "backend: torch (native kernels not in use)" in out
+    assert "turned off (QUANTOBS_NATIVE=0" in out
 
 
 def test_python_dash_m_entry_point() -> None:

@@ -2,6 +2,7 @@
 
     quantobs weights [--model PATH] [--scheme NAME] [--limit N]
                      [--format table|json|csv]
+    quantobs info    versions, and which backend runs the kernels
 
 Exit codes: 0 success, 2 a usage error (bad option, unknown scheme, missing
 model path), 1 an unexpected failure.
@@ -86,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (default: table)",
     )
     weights.set_defaults(handler=_run_weights)
+
+    info = commands.add_parser(
+        "info",
+        help="versions, and which backend runs the kernels (native or torch)",
+        description="Print the quantobs, Python and torch versions and the "
+        "backend of the kernels: the native library (its path, OpenMP, the ISA "
+        "its hot loops run with on this CPU) or torch, with the reason.",
+    )
+    info.set_defaults(handler=_run_info)
     return parser
 
 
@@ -130,6 +140,24 @@ def _run_weights(options: argparse.Namespace) -> int:
 
     formatters = {"table": format_table, "json": format_json, "csv": format_csv}
     sys.stdout.write(formatters[options.format](report))
+    return EXIT_OK
+
+
+def _run_info(options: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from quantobs import __version__, native
+
+    print(f"quantobs {__version__}")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {platform.system()} "
+        f"{platform.machine()}"
+    )
+    for line in native.backend_info().lines():
+        print(line)
     return EXIT_OK
 
 
