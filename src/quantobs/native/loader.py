@@ -31,7 +31,7 @@ import os
 import platform
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantobs.native import build
@@ -53,8 +53,8 @@ _LOG = logging.getLogger("quantobs")
 FIX = (
     "to fix: reinstall quantobs where a C compiler is found (in a checkout: "
     "`pip install -e .`, or `python -m quantobs.native.build`), or set "
-    "QUANTOBS_NATIVE_BUILD=1 to build the kernels on first use; "
-    "QUANTOBS_NATIVE=0 turns them off without this warning"
+    "QUANTOBS_NATIVE_BUILD=1 to build the kernels on first use; or turn them "
+    "off with QUANTOBS_NATIVE=0 (then nothing warns)"
 )
 
 _P = ctypes.c_void_p
@@ -116,12 +116,11 @@ class BackendInfo:
     isa: str | None = None  # the clone this CPU runs
     compiler: str | None = None
     runtime_build: bool = False
-    details: dict[str, str] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """The report, one fact per line."""
         if self.backend == "native":
-            source = "built on first use" if self.runtime_build else "built at install"
+            source = "built on first use" if self.runtime_build else "installed"
             clones = "/".join(self.clones) if self.clones else "none"
             openmp = f"OpenMP {self.openmp}" if self.openmp else "no OpenMP"
             return [
@@ -262,7 +261,7 @@ def backend_info(enabled: bool) -> BackendInfo:
         return BackendInfo("torch", True, loaded.path, reason=loaded.reason)
     details = dict(
         item.partition("=")[::2]
-        for item in _text(loaded.library, "qo_build_info").split(";")
+        for item in _text(loaded.library, "qo_build_info").split(";", 2)
     )
     openmp = details.get("openmp", "0")
     clones = details.get("clones", "")
@@ -276,5 +275,4 @@ def backend_info(enabled: bool) -> BackendInfo:
         isa=_text(loaded.library, "qo_isa"),
         compiler=details.get("compiler"),
         runtime_build=loaded.runtime_build,
-        details=details,
     )
