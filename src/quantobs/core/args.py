@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from quantobs.core.formats import NumberFormat, get_format
+from quantobs.core.registry import coerce_enum
 
 __all__ = [
     "ActivationOrdering",
@@ -73,19 +74,6 @@ _ACTORDER_ALIASES = {"static": "weight", "dynamic": "group"}
 
 # Strategies that can be computed on the fly (compressed-tensors' rule).
 _DYNAMIC_STRATEGIES = ("token", "tensor", "tensor_group", "group")
-
-
-def _parse_enum(enum: type[Enum], value: Any, field: str) -> Any:
-    """Accept an enum member or any capitalisation of its value."""
-    if isinstance(value, enum):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower()
-        for member in enum:
-            if member.value == key:
-                return member
-    valid = ", ".join(repr(m.value) for m in enum)
-    raise ValueError(f"{field}={value!r} is not valid; use one of {valid}")
 
 
 def _parse_dtype(value: Any) -> torch.dtype | None:
@@ -156,7 +144,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     @field_validator("type", mode="before")
     @classmethod
     def _type(cls, value: Any) -> Any:
-        return _parse_enum(QuantizationType, value, "type")
+        return coerce_enum(QuantizationType, value, "type")
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -164,7 +152,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
         return (
             None
             if value is None
-            else _parse_enum(QuantizationStrategy, value, "strategy")
+            else coerce_enum(QuantizationStrategy, value, "strategy")
         )
 
     @field_validator("dynamic", mode="before")
@@ -172,7 +160,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     def _dynamic(cls, value: Any) -> Any:
         if isinstance(value, bool):
             return value
-        return _parse_enum(DynamicType, value, "dynamic")
+        return coerce_enum(DynamicType, value, "dynamic")
 
     @field_validator("actorder", mode="before")
     @classmethod
@@ -183,7 +171,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
             return ActivationOrdering.GROUP
         if isinstance(value, str):
             value = _ACTORDER_ALIASES.get(value.strip().lower(), value)
-        return _parse_enum(ActivationOrdering, value, "actorder")
+        return coerce_enum(ActivationOrdering, value, "actorder")
 
     @field_validator("num_bits", mode="before")
     @classmethod

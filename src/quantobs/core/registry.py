@@ -1,7 +1,9 @@
-"""Name registries and typed options, shared by every observer family.
+"""Names: registries, enum values and typed options, for every face.
 
 Names are looked up ignoring case, `-`, `_` and spaces (compressed-tensors'
-`RegistryMixin` rule); a miss lists every registered name. Options are
+`RegistryMixin` rule); a miss lists every registered name. Enum values are
+accepted as members, as members of a peer's enum of the same values, or as
+any capitalisation of their value or name (`coerce_enum`). Options are
 pydantic models with `extra="forbid"`: a typo or an out-of-range value is an
 error that names the option, the value and the valid options.
 """
@@ -10,14 +12,39 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["Registry", "validate_options"]
+__all__ = ["Registry", "coerce_enum", "validate_options"]
 
 T = TypeVar("T", bound=type)
 M = TypeVar("M", bound=BaseModel)
+E = TypeVar("E", bound=Enum)
+
+
+def coerce_enum(enum: type[E], value: Any, field: str) -> E:
+    """A member of `enum` from a member, a peer's enum member with the same
+    value, the value itself, or any capitalisation of a member's value or name.
+
+    Raises:
+        ValueError: no member matches; the message lists the valid values.
+    """
+    if isinstance(value, enum):
+        return value
+    raw = value.value if isinstance(value, Enum) else value
+    for member in enum:
+        if member.value == raw and type(raw) is type(member.value):
+            return member
+    if isinstance(raw, str):
+        key = raw.strip().lower()
+        for member in enum:
+            if str(member.value).lower() == key or member.name.lower() == key:
+                return member
+    labels = [m.value if isinstance(m.value, str) else m.name for m in enum]
+    valid = ", ".join(repr(label) for label in labels)
+    raise ValueError(f"{field}={value!r} is not valid; use one of {valid}")
 
 
 def _key(name: str) -> str:

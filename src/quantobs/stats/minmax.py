@@ -310,7 +310,7 @@ class AbsMax(Statistic):
 
     def update(self, batch: Batch) -> AbsMax:
         found = torch.maximum(-batch.min_vals, batch.max_vals)
-        return AbsMax(torch.maximum(self.amax, found.to(self.amax.dtype)))
+        return AbsMax(torch.maximum(self.amax, found))  # float64 inputs keep float64
 
     def merge(self, other: AbsMax) -> AbsMax:
         return AbsMax(torch.maximum(self.amax, other.amax))

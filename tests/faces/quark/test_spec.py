@@ -16,9 +16,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import quantobs.faces.quark as ours
-from quantobs.faces.quark import QTensorConfig
+from quantobs.core.layout import channel_view, group_view
 from quantobs.core.qparams import quark as qp
-from quantobs.faces.quark.blocks import block_minmax, channel_minmax
+from quantobs.core.qparams.pow2 import pow2_exponent, pow2_nearest
+from quantobs.faces.quark import QTensorConfig
+from quantobs.stats.reduce import minmax
+
+
+def block_minmax(
+    x: torch.Tensor, axis: int, block: int, *, pad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block min / max as the block observers take them."""
+    view = group_view(x, axis, block, pad=pad)  # (1, rows, num_blocks, block)
+    return minmax(view, exact_dtype=True)
+
+
+def channel_minmax(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel min / max as the per-channel observers take them."""
+    return minmax(channel_view(x, axis), exact_dtype=True)
+
 
 INT_SPEC = {"round_method": "half_even", "scale_type": "float", "is_dynamic": False}
 
@@ -331,19 +347,20 @@ def test_placeholder_passes_through() -> None:
 def test_mx_exponent_truth_table() -> None:
     amax = torch.tensor([1.5, 1.75, 1.875, 1.9375, 1.96875, 2.0, 3.0, 0.75])
     floor = [0, 0, 0, 0, 0, 1, 1, -1]
-    assert qp.mx_exponent(amax, "floor", 1).tolist() == floor
-    assert qp.mx_exponent(amax, "ceil", 1).tolist() == [1, 1, 1, 1, 1, 1, 2, 0]
-    # even: up from 2 - 2**-(M+1): fp4 1.75, e3m2 / e5m2 1.875, e2m3 / e4m3 1.9375
-    assert qp.mx_exponent(amax, "even", 1).tolist() == [0, 1, 1, 1, 1, 1, 1, -1]
-    assert qp.mx_exponent(amax, "even", 2).tolist() == [0, 0, 1, 1, 1, 1, 1, -1]
-    assert qp.mx_exponent(amax, "even", 3).tolist() == [0, 0, 0, 1, 1, 1, 1, -1]
-    with pytest.raises(ValueError, match="'even', 'floor' or 'ceil'"):
-        qp.mx_exponent(amax, "up", 1)
+    assert pow2_exponent(amax, "floor", 1).tolist() == floor
+    assert pow2_exponent(amax, "ceil", 1).tolist() == [1, 1, 1, 1, 1, 1, 2, 0]
+    # Quark's "even" rounds to the element's mantissa width M, up from
+    # 2 - 2**-(M+1): fp4 1.75, e3m2 / e5m2 1.875, e2m3 / e4m3 1.9375
+    assert pow2_exponent(amax, "round", 1).tolist() == [0, 1, 1, 1, 1, 1, 1, -1]
+    assert pow2_exponent(amax, "round", 2).tolist() == [0, 0, 1, 1, 1, 1, 1, -1]
+    assert pow2_exponent(amax, "round", 3).tolist() == [0, 0, 0, 1, 1, 1, 1, -1]
+    with pytest.raises(ValueError, match="'floor', 'ceil' or 'round'"):
+        pow2_exponent(amax, "up", 1)  # type: ignore[arg-type]
 
 
 def test_e8m0_scale_edges() -> None:
     amax = torch.tensor([0.0, 6.0, 1e-40, 3e38])
-    even = qp.e8m0_scale(amax, "even", 1, 2, 1e-7)
+    even = qp.e8m0_scale(amax, "round", 1, 2, 1e-7)
     # 3e38 = 1.76 * 2**127 rounds up to 2**128, beyond float32: saturates.
     assert even.tolist() == [2.0**-127, 2.0**0, 2.0**-127, 2.0**127]
     floor = qp.e8m0_scale(amax, "floor", 1, 2, 1e-7)
@@ -353,7 +370,7 @@ def test_e8m0_scale_edges() -> None:
 
 @given(st.floats(min_value=1e-30, max_value=1e30))
 def test_pow2_round_is_nearest_in_log2(value: float) -> None:
-    rounded = qp.pow2_round(torch.tensor([value], dtype=torch.float64)).item()
+    rounded = pow2_nearest(torch.tensor([value], dtype=torch.float64)).item()
     exponent = math.log2(rounded)
     assert exponent == int(exponent)
     assert abs(math.log2(value) - exponent) <= 0.5 + 1e-12
@@ -458,7 +475,7 @@ def test_pof2_scale_type_rounds_scales() -> None:
     exact(x)
     pof2(x)
     scale, zero_point = pof2._calculate_qparams()
-    assert torch.equal(scale, qp.pow2_round(exact._calculate_qparams()[0]))
+    assert torch.equal(scale, pow2_nearest(exact._calculate_qparams()[0]))
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
     expected = (-128 - torch.round(x.amin(1).clamp(max=0) / scale)).int()
     assert torch.equal(zero_point, expected.clamp(-128, 127))
@@ -660,7 +677,7 @@ def test_mx_scales_bracket_the_amax(amax: float) -> None:
         bits, emax = ours.spec.mx_element_params(ours.Dtype(element))
         floor = qp.e8m0_scale(value, "floor", bits, emax, 1e-7).item()
         ceil = qp.e8m0_scale(value, "ceil", bits, emax, 1e-7).item()
-        even = qp.e8m0_scale(value, "even", bits, emax, 1e-7).item()
+        even = qp.e8m0_scale(value, "round", bits, emax, 1e-7).item()
         assert floor * 2**emax <= amax < floor * 2 ** (emax + 1)
         assert amax <= ceil * 2**emax < 2 * amax
         assert even in (floor, 2 * floor)

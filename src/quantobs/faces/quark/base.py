@@ -1,18 +1,20 @@
-"""`ObserverBase` and `UniformScalingObserver`: Quark's bases, on our core.
+"""`ObserverBase` and `UniformScalingObserver`: Quark's bases on the engine.
 
 `ObserverBase(qspec, device=None)` holds the (validated) spec and Quark's
 attributes (`dtype`, `qspec`, `scale_torch_dtype`, `scale_format`,
 `scale_calculation_mode`); `UniformScalingObserver` adds `min_val` /
-`max_val` / `eps` buffers, `calculate_qparams(min_val, max_val)` and
-`reset_min_max_vals()`.
+`max_val` / `eps` buffers, `calculate_qparams(min_val, max_val)` (Quark's
+rule, `quantobs.core.qparams.quark.QuarkRule`) and `reset_min_max_vals()`.
 
-State. Statistics are float32 (float64 for float64 inputs) buffers that
-travel in `state_dict` (Quark registers them non-persistent, so a saved
-calibration loses them); buffers are resized to the saved shapes on load, and
-small Python state (the input dtype, vote records, bin counts) travels as the
-module's extra state. The input dtype is remembered because Quark computes
-qparams in it (`ScaleType.float`: "the model's dtype"): ranges are cast back
-to it, exactly, before the arithmetic.
+State. Each observer keeps one statistic of the engine
+(`quantobs.observers.engine`) in its buffers, float32 (float64 for float64
+inputs); they travel in `state_dict` (Quark registers them non-persistent,
+so a saved calibration loses them) and take the saved shapes on load. Small
+Python state (the input dtype, vote records) travels as the module's extra
+state. The input dtype is remembered because Quark computes qparams in it
+(`ScaleType.float`: "the model's dtype"): ranges are cast back to it,
+exactly, before the arithmetic. A dynamic spec (`is_dynamic`) keeps only the
+latest batch: the statistic restarts with each batch.
 
 NaN / inf inputs raise `ValueError` (Quark returns NaN or inf scales), except
 in `PerBlockBFPObserver`, which maps them to 0 as Quark does.
@@ -23,12 +25,13 @@ from __future__ import annotations
 import abc
 import inspect
 import math
-import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from quantobs.core.qparams import quark as qp
+from quantobs.core.layout import channel_view, normalize_axis
+from quantobs.core.qparams.quark import QuarkRule, nonfinite_error
 from quantobs.faces.quark.spec import (
     Dtype,
     QSchemeType,
@@ -36,61 +39,34 @@ from quantobs.faces.quark.spec import (
     ScaleType,
     ZeroPointType,
     as_spec,
-    element_format,
     mx_element_params,
     quant_range,
     register_observer,
 )
+from quantobs.observers.engine import ObserverEngine
+from quantobs.stats.base import Statistic
+from quantobs.stats.minmax import MinMax
 
 __all__ = [
     "FLOAT32_EPS",
     "ObserverBase",
     "UniformScalingObserver",
-    "check_finite",
-    "stat_dtype",
-    "warn_unobserved",
+    "per_channel_view",
 ]
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 _FP8 = (Dtype.fp8_e4m3, Dtype.fp8_e5m2)
 _SMALL_FLOATS = (Dtype.fp4, Dtype.fp6_e2m3, Dtype.fp6_e3m2)
+# Quark's scale_calculation_mode -> the exponent rounding that does it
+_ROUNDINGS = {"even": "round", "floor": "floor", "ceil": "ceil"}
 
 
-def stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype statistics are kept in: float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def per_channel_view(x: torch.Tensor, ch_axis: int) -> torch.Tensor:
+    """`x` as `(N, C, G)` for channels along `ch_axis` (a 0-d input: one)."""
+    return channel_view(x.reshape(1) if x.ndim == 0 else x, ch_axis)
 
 
-def check_finite(owner: str, *values: torch.Tensor) -> None:
-    """Raise `ValueError` if a reduced statistic is NaN or infinite.
-
-    The statistics are small (one value per qparam), so the check costs
-    nothing next to the reduction; NaN and inf propagate into them.
-    """
-    for value in values:
-        if bool(torch.isfinite(value).all()):
-            continue
-        bad = int((~torch.isfinite(value)).sum())
-        if bad:
-            raise ValueError(
-                f"{owner}: the input holds NaN or inf ({bad} qparam(s) affected); "
-                "Quark would return NaN or inf scales. Clean the input first, "
-                "e.g. torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)"
-            )
-
-
-def warn_unobserved(owner: str) -> None:
-    """Quark's "must run observer before calling calculate_qparams" warning."""
-    warnings.warn(
-        f"{owner}: calculate_qparams() was called before any observation; "
-        "returning Quark's defaults (scale 1.0, zero point 0). Run calibration "
-        "batches through the observer first.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-class ObserverBase(torch.nn.Module, abc.ABC):
+class ObserverBase(ObserverEngine, abc.ABC):
     """Base of every observer of the Quark face.
 
     Args:
@@ -103,6 +79,7 @@ class ObserverBase(torch.nn.Module, abc.ABC):
     """
 
     qschemes: ClassVar[tuple[QSchemeType, ...]] = ()
+    exact_dtype = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -124,9 +101,11 @@ class ObserverBase(torch.nn.Module, abc.ABC):
             )
 
     def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__()
+        super().__init__(nan_policy="raise")
         spec = as_spec(qspec)
         type(self).check_spec(spec)
+        if device is not None:
+            self._device_marker = self._device_marker.to(device)
         self.qspec = spec
         self.dtype = spec.dtype
         self.scale_torch_dtype: torch.dtype | None = (
@@ -134,6 +113,7 @@ class ObserverBase(torch.nn.Module, abc.ABC):
         )
         self.scale_format = spec.scale_format
         self.scale_calculation_mode = spec.scale_calculation_mode
+        self.is_dynamic = spec.is_dynamic
         self._num_observed_tokens = 0
         self.quant_max_first_level: float | None = None
         self._input_dtype: torch.dtype | None = None
@@ -149,6 +129,26 @@ class ObserverBase(torch.nn.Module, abc.ABC):
     @abc.abstractmethod
     def reset_state(self) -> None:
         """Forget every statistic."""
+
+    # -- observing ------------------------------------------------------------
+
+    def _observe_view(self, x_flat: torch.Tensor, x: torch.Tensor) -> None:
+        """Fold `x` (as `x_flat`, canonical) in; a dynamic spec keeps only it."""
+        if self._keeps_latest():
+            self.reset()
+        self._input_dtype = x.dtype
+        self._observe(x_flat)
+
+    def _keeps_latest(self) -> bool:
+        """Whether each batch replaces the statistic (a dynamic spec)."""
+        return bool(self.is_dynamic)
+
+    def _describe(self) -> str:
+        return type(self).__name__
+
+    def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
+        bad = (~torch.isfinite(x_flat)).any(dim=0).any(dim=-1)  # per qparam
+        return nonfinite_error(self._describe(), int(bad.sum()))
 
     # -- helpers shared by the observers --------------------------------------
 
@@ -174,48 +174,38 @@ class ObserverBase(torch.nn.Module, abc.ABC):
             spec.mx_element_dtype if spec.mx_element_dtype is not None else spec.dtype
         )
 
-    def get_scale(
-        self, amax: torch.Tensor, eps: float | torch.Tensor, scale_format: str | None
-    ) -> torch.Tensor:
-        """Scales from absolute maxima in a scale format.
-
-        Args:
-            amax: `(*Q,)` absolute maxima.
-            eps: replacement of zero scales.
-            scale_format: `e8m0` (MX power of two, `scale_calculation_mode`),
-                `e4m3` (two-level FP8 scales), `float32` (`amax / qmax`).
-
-        Returns:
-            `(*Q,)` scales (dtypes as Quark's `get_scale`).
-
-        Raises:
-            ValueError: an unknown `scale_format`.
-        """
-        eps_value = float(eps)
+    def _rule(self, eps: torch.Tensor | float, blocks: bool = False) -> QuarkRule:
+        """Quark's rule for this spec (the config translation); `blocks`: of
+        MX block scales (always in a scale format, e8m0 by default)."""
+        spec = self.qspec
         element = self._element_dtype()
-        if scale_format == "e8m0":
-            mantissa_bits, emax = mx_element_params(element)
-            mode = self.scale_calculation_mode or "even"
-            return qp.e8m0_scale(amax, mode, mantissa_bits, emax, eps_value)
-        quant_max = element_format(element).max
-        if scale_format == "e4m3":
-            scale = qp.e4m3_two_level_scale(amax, quant_max, eps_value)
-            return scale.to(self.scale_torch_dtype) if self.scale_torch_dtype else scale
-        if scale_format == "float32":
-            return qp.float_scale(amax, quant_max, eps_value, self.scale_torch_dtype)
-        raise ValueError(
-            f"scale_format={scale_format!r} is not one of 'e8m0', 'e4m3', "
-            "'float32'; set it in the QTensorConfig"
+        if blocks or (element in _SMALL_FLOATS):
+            kind = "small_float"
+        elif element in _FP8:
+            kind = "fp8"
+        else:
+            kind = "int"
+        qmin, qmax = quant_range(element)
+        bits, emax = mx_element_params(element) if kind == "small_float" else (1, 0)
+        mode = self.scale_calculation_mode or "even"
+        return QuarkRule(
+            kind=kind,  # type: ignore[arg-type]
+            quant_min=qmin,
+            quant_max=qmax,
+            symmetric=bool(spec.symmetric) if kind == "int" else True,
+            eps=eps,
+            float_zero_point=spec.zero_point_type == ZeroPointType.float32,
+            pof2=self._pof2(),
+            scale_dtype=self.scale_torch_dtype,
+            scale_format=self.scale_format or ("e8m0" if blocks else None),
+            rounding=_ROUNDINGS[mode],  # type: ignore[arg-type]
+            mantissa_bits=bits,
+            emax=emax,
+            owner=type(self).__name__,
         )
 
-    def _finish_scale(self, scale: torch.Tensor) -> torch.Tensor:
-        """`scale_type` rules: `pof2` rounds, float types cast."""
-        if self.qspec.scale_type == ScaleType.pof2:
-            scale = qp.pow2_round(scale)
-        return scale.to(self.scale_torch_dtype) if self.scale_torch_dtype else scale
-
-    def _remember_dtype(self, x: torch.Tensor) -> None:
-        self._input_dtype = x.dtype
+    def _pof2(self) -> bool:
+        return self.qspec.scale_type == ScaleType.pof2
 
     def _model_dtype(self, default: torch.dtype) -> torch.dtype:
         return self._input_dtype if self._input_dtype is not None else default
@@ -240,31 +230,8 @@ class ObserverBase(torch.nn.Module, abc.ABC):
         self._input_dtype = dtype if isinstance(dtype, torch.dtype) else None
         self._num_observed_tokens = int(state.get("num_observed_tokens", 0))
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        # Statistics change shape as data arrives (per-channel ranges, MX
-        # amax, grown histograms): take the saved shape and dtype.
-        for name, buffer in list(self._buffers.items()):
-            saved = state_dict.get(prefix + name)
-            if isinstance(saved, torch.Tensor) and buffer is not None:
-                self._buffers[name] = torch.empty_like(saved, device=buffer.device)
-        super()._load_from_state_dict(
-            state_dict,
-            prefix,
-            local_metadata,
-            strict,
-            missing_keys,
-            unexpected_keys,
-            error_msgs,
-        )
+    def _may_drop(self, name: str) -> bool:
+        return False  # the buffers exist from construction, as Quark's
 
 
 class UniformScalingObserver(ObserverBase):
@@ -283,6 +250,12 @@ class UniformScalingObserver(ObserverBase):
         quant_max: largest quantized value (e.g. 127).
     """
 
+    Statistic = MinMax
+    buffer_names: ClassVar[Mapping[str, str]] = {
+        "min_vals": "min_val",
+        "max_vals": "max_val",
+    }
+
     eps: torch.Tensor
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -298,7 +271,6 @@ class UniformScalingObserver(ObserverBase):
         self.symmetric = spec.symmetric
         self.scale_type = spec.scale_type
         self.qscheme = spec.qscheme
-        self.is_dynamic = spec.is_dynamic
         self.zero_point_type = spec.zero_point_type
         self.register_buffer("min_val", torch.tensor(math.inf, device=device))
         self.register_buffer("max_val", torch.tensor(-math.inf, device=device))
@@ -309,6 +281,21 @@ class UniformScalingObserver(ObserverBase):
                 "use PerBlockMXObserver or PerBlockBFPObserver"
             )
         self.quant_min, self.quant_max = quant_range(self.dtype)
+
+    # -- statistic in Quark's buffers ----------------------------------------
+
+    def _read_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        low = state["min_vals"]
+        if low.dim() == 0 and bool(low == math.inf):
+            return None  # Quark's "nothing observed": (inf, -inf), 0-d
+        return state
+
+    def _initial_statistic(self) -> Statistic:
+        return MinMax.empty((), self.eps.device)
+
+    # -- qparams --------------------------------------------------------------
 
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`calculate_qparams` of the recorded range, in the input's dtype."""
@@ -333,53 +320,7 @@ class UniformScalingObserver(ObserverBase):
         Raises:
             ValueError: NaN / inf in the range, or `min_val > max_val`.
         """
-        if self.dtype in _FP8 or self.dtype in _SMALL_FLOATS:
-            # Unobserved entries (inf, -inf) give amax 0 and the eps scale.
-            check_finite(type(self).__name__, *_observed(min_val, max_val))
-            return self._float_qparams(min_val, max_val)
-        if _unobserved(min_val, max_val):
-            warn_unobserved(type(self).__name__)
-            device = min_val.device.type
-            return torch.tensor([1.0], device=device), torch.tensor([0], device=device)
-        check_finite(type(self).__name__, min_val, max_val)
-        if bool((min_val > max_val).any()):
-            raise ValueError(
-                f"{type(self).__name__}: min_val > max_val somewhere; pass the "
-                "range as (min, max)"
-            )
-        scale, zero_point = qp.int_qparams(
-            min_val,
-            max_val,
-            self.quant_min,
-            self.quant_max,
-            bool(self.symmetric),
-            self.eps,
-            float_zero_point=self.zero_point_type == ZeroPointType.float32,
-        )
-        if self.qspec.scale_type == ScaleType.pof2 and not self.symmetric:
-            scale = qp.pow2_round(scale)
-            min_neg = torch.clamp(min_val, max=0)
-            if self.zero_point_type == ZeroPointType.float32:
-                zero_point = -1 * min_val / scale
-            else:
-                zero_point = int(self.quant_min) - torch.round(min_neg / scale).int()
-                zero_point = zero_point.clamp(int(self.quant_min), int(self.quant_max))
-        return self._finish_scale(scale), zero_point
-
-    def _float_qparams(
-        self, min_val: torch.Tensor, max_val: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        min_neg = torch.minimum(min_val, torch.zeros_like(min_val))
-        max_pos = torch.maximum(max_val, torch.zeros_like(max_val))
-        amax = torch.maximum(min_neg.abs(), max_pos.abs())
-        eps = float(self.eps)
-        if self.dtype in _FP8:
-            scale = self.get_scale(amax, eps, "float32")
-        else:
-            scale = self.get_scale(amax, eps, self.scale_format)
-            scale = scale.masked_fill(scale == 0.0, FLOAT32_EPS)
-        scale = self._finish_scale(scale)
-        return scale, torch.zeros_like(scale)
+        return self._rule(self.eps)(min_val, max_val)
 
     def reset_state(self) -> None:
         """Forget the range."""
@@ -387,34 +328,13 @@ class UniformScalingObserver(ObserverBase):
 
     def reset_min_max_vals(self) -> None:
         """Forget the range (back to `(inf, -inf)`, on the same device)."""
-        device = self.min_val.device
-        self.min_val = torch.tensor(math.inf, device=device)
-        self.max_val = torch.tensor(-math.inf, device=device)
+        self.reset()
 
-    def _store_range(
-        self, min_val: torch.Tensor, max_val: torch.Tensor, x: torch.Tensor
-    ) -> None:
-        """Keep a new (already merged) range and the input dtype."""
-        dtype = stat_dtype(x.dtype)
-        self.min_val = min_val.detach().to(dtype)
-        self.max_val = max_val.detach().to(dtype)
-        self._remember_dtype(x)
+    def _channel_axis(self, x: torch.Tensor) -> int:
+        axis = self.qspec.ch_axis
+        if axis is None:
+            raise ValueError(f"{type(self).__name__} needs qspec.ch_axis (e.g. 0)")
+        return normalize_axis(axis, max(x.ndim, 1))
 
     def extra_repr(self) -> str:
         return f"min_val={self.min_val}, max_val={self.max_val}"
-
-
-def _unobserved(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
-    if min_val.numel() == 0 or max_val.numel() == 0:
-        return True
-    return bool(
-        min_val.dim() == 0 and bool(min_val == math.inf) and bool(max_val == -math.inf)
-    )
-
-
-def _observed(
-    min_val: torch.Tensor, max_val: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The range without its unobserved `(inf, -inf)` entries."""
-    seen = ~((min_val == math.inf) & (max_val == -math.inf))
-    return min_val[seen], max_val[seen]

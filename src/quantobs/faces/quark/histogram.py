@@ -1,17 +1,18 @@
 """Histogram observers: plain, percentile, MSE, and the torch.ao-based Pro.
 
 Per tensor (Quark's qscheme) each keeps Quark's growing fixed-width
-histogram (`quantobs.faces.quark.linear_histogram`: 2048 bins; percentile: 4200
+histogram (`quantobs.stats.quark_histogram`: 2048 bins; percentile: 4200
 bins, zeros skipped) in the buffers `calib_hist` (int64, exact) and
 `calib_bin_edges`, and searches it when qparams are asked for, once (Quark
 searches after every calibration batch). Symmetric specs histogram `|x|`.
 
 Beyond Quark, `per_channel` and `per_group` specs work too: one exact-count
 histogram per channel / group (`quantobs.stats.histogram`, power-of-two bin
-widths, `bins` = Quark's bin count per qparam), with the same searches
-vectorized over qparams (percentile: `quantobs.solvers.percentile`, whose
-boundary is the right edge; MSE: Quark's candidates `lo + (hi - lo) * (i +
-0.5) / bins` for `i` from `start_bin` on, scored on the histogram).
+widths, `bins` = Quark's bin count per qparam, buffers `hist_*`), with the
+same searches vectorized over qparams (percentile:
+`quantobs.solvers.percentile`, whose boundary is the right edge; MSE:
+Quark's candidates `lo + (hi - lo) * (i + 0.5) / bins` for `i` from
+`start_bin` on, scored on the histogram).
 
 Fixes of Quark's bugs (the tests assert the correct numbers):
 
@@ -20,7 +21,7 @@ Fixes of Quark's bugs (the tests assert the correct numbers):
 * The asymmetric percentile returns the data minimum and the lower tail's
   percentile (both ends at the bottom of the data; with Quark's default
   percentile both are the data minimum); here both tails are cut
-  (`quantobs.faces.quark.search`).
+  (`quantobs.solvers.quark_histogram`).
 * Growing a histogram to the left adds the old counts at the wrong bins.
 * Growing to the right, Quark's bin count (a float32 `ceil`) can disagree
   with its edges (a float64 `arange`) by one: it then bins with the wrong
@@ -32,7 +33,8 @@ Fixes of Quark's bugs (the tests assert the correct numbers):
   quantize to 0); here the minimum is the data minimum.
 
 Also: `min_val` / `max_val` hold the observed data range (Quark overwrites
-them with the searched range); qparams before any observation raise
+them with the searched range; per channel / group with zeros skipped, the
+range of the counted values); qparams before any observation raise
 `ValueError` (Quark raises `AttributeError` or `ValueError`).
 """
 
@@ -40,37 +42,28 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
-from quantobs.core.qparams import quark as qp
+from quantobs.core.layout import group_view
+from quantobs.core.qparams.quark import int_qparams
+from quantobs.core.scoring import score
 from quantobs.faces.quark.base import (
     FLOAT32_EPS,
     UniformScalingObserver,
-    check_finite,
-    stat_dtype,
-)
-from quantobs.faces.quark.blocks import channel_view, normalize_axis
-from quantobs.faces.quark.linear_histogram import (
-    LinearHistogram,
-    update_linear_histogram,
-)
-from quantobs.faces.quark.search import (
-    candidate_errors,
-    mse_candidates,
-    percentile_bounds,
+    per_channel_view,
 )
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig, element_format
-from quantobs.faces.torch_ao import HistogramObserver as TorchHistogramObserver
+from quantobs.faces.torch_ao import HistogramObserver as TorchHistogramObserver  # TODO
 from quantobs.solvers.percentile import percentile_range, percentile_upper
-from quantobs.stats.histogram import (
-    Histogram,
-    check_budget,
-    empty_histogram,
-    update_histogram,
-)
-from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
+from quantobs.solvers.quark_histogram import mse_candidates, percentile_bounds
+from quantobs.stats.base import Batch, Statistic
+from quantobs.stats.histogram import Histogram
+from quantobs.stats.quark_histogram import QuarkHistogram
+from quantobs.stats.reduce import minmax_omit_nonfinite
 
 __all__ = [
     "PerTensorHistogramObserver",
@@ -80,8 +73,15 @@ __all__ = [
 ]
 
 _ALL_QSCHEMES = (QSchemeType.per_tensor, QSchemeType.per_channel, QSchemeType.per_group)
-_ENGINE_FIELDS = ("counts", "exponent", "offset", "min_vals", "max_vals")
 _FP8 = (Dtype.fp8_e4m3, Dtype.fp8_e5m2)
+_LINEAR_BUFFERS = {"counts": "calib_hist", "edges": "calib_bin_edges"}
+_EXACT_BUFFERS = {
+    "counts": "hist_counts",
+    "exponent": "hist_exponent",
+    "offset": "hist_offset",
+}
+_RANGE_BUFFERS = {"min_vals": "min_val", "max_vals": "max_val"}
+Range = tuple[torch.Tensor, torch.Tensor]
 
 
 class PerTensorHistogramObserver(UniformScalingObserver):
@@ -100,27 +100,79 @@ class PerTensorHistogramObserver(UniformScalingObserver):
 
     qschemes = _ALL_QSCHEMES
     _symmetric_only: ClassVar[bool] = True
+    _skip_zeros: ClassVar[bool] = False
+    _default_bins: ClassVar[int] = 2048
     calib_hist: torch.Tensor
     calib_bin_edges: torch.Tensor
-    hist_min_vals: torch.Tensor
 
     def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
         super().__init__(qspec, device)
-        self.register_buffer("calib_bin_edges", torch.tensor([], device=device))
-        self.register_buffer(
-            "calib_hist", torch.tensor([], dtype=torch.int64, device=device)
-        )
-        for name in _ENGINE_FIELDS:
-            self.register_buffer(f"hist_{name}", torch.tensor([], device=device))
-        self._skip_zeros = False
-        self._num_bins = 2048
+        self._num_bins = self._default_bins
         self.device = device
+        self._register_empty(device)
 
-    # -- recording -----------------------------------------------------------
+    @property
+    def _per_tensor(self) -> bool:
+        return self.qscheme in (None, QSchemeType.per_tensor)
 
     @property
     def _absolute(self) -> bool:
         return self.symmetric is not False
+
+    def _register_empty(self, device: torch.device | str | None) -> None:
+        """Quark's buffers before any data: the range (inf, -inf), no bins."""
+        self.register_buffer("min_val", torch.tensor(math.inf, device=device))
+        self.register_buffer("max_val", torch.tensor(-math.inf, device=device))
+        names = _LINEAR_BUFFERS if self._per_tensor else _EXACT_BUFFERS
+        for name in names.values():
+            dtype = torch.int64 if name in ("calib_hist", "hist_counts") else None
+            empty = torch.tensor([], dtype=dtype, device=device)
+            self.register_buffer(name, empty)
+
+    # -- the statistic ---------------------------------------------------------
+
+    def statistic_type(self) -> type[Statistic]:
+        return QuarkHistogram if self._per_tensor else Histogram
+
+    @property
+    def buffer_names(self) -> Mapping[str, str]:  # type: ignore[override]
+        names = _LINEAR_BUFFERS if self._per_tensor else _EXACT_BUFFERS
+        return {**names, **_RANGE_BUFFERS}
+
+    def statistic_config(self) -> dict[str, Any]:
+        if self._per_tensor:
+            return {
+                "bins": self._num_bins,
+                "absolute": self._absolute,
+                "skip_zeros": self._skip_zeros,
+            }
+        return {
+            "bins": self._num_bins,
+            "absolute": self._absolute,
+            "owner": type(self).__name__,
+        }
+
+    def _read_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        return None if state["counts"].numel() == 0 else state
+
+    def reset(self) -> None:
+        """Forget the range and the histograms."""
+        self._register_empty(self.eps.device)
+        self._num_bins = self._default_bins
+
+    def _prepare_batch(self, batch: Batch) -> Batch:
+        if self._per_tensor or not self._skip_zeros or batch.x_flat is None:
+            return batch
+        # Per channel / group, zeros are left out: NaN, which binning skips.
+        values = torch.where(batch.x_flat == 0, math.nan, batch.x_flat)
+        low, high = minmax_omit_nonfinite(values, exact_dtype=True)
+        return replace(
+            batch, x_flat=values, min_vals=low, max_vals=high, has_skipped=True
+        )
+
+    # -- recording -----------------------------------------------------------
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Add `x_orig` to the histogram; return it unchanged.
@@ -139,93 +191,36 @@ class PerTensorHistogramObserver(UniformScalingObserver):
             return x_orig
         x = x_orig.detach()
         self.device = x.device
-        if self.qscheme in (None, QSchemeType.per_tensor):
-            low, high = torch.aminmax(x)
-            check_finite(type(self).__name__, low, high)
-            hist = update_linear_histogram(
-                self._linear(),
-                x,
-                self._num_bins,
-                self._absolute,
-                self._skip_zeros,
-                minmax=(low, high),
-            )
-            self.calib_hist, self.calib_bin_edges = hist.counts, hist.edges
-            self._num_bins = hist.bins
-        else:
-            low, high = self._update_engine(x)
-        dtype = stat_dtype(x.dtype)
-        if self._has_data():
-            low = torch.minimum(low.to(dtype), self.min_val.to(dtype))
-            high = torch.maximum(high.to(dtype), self.max_val.to(dtype))
-        self._store_range(low, high, x)
+        self._observe_view(self._flatten(x), x)
+        if self._per_tensor:
+            self._num_bins = self.calib_hist.numel()
         return x_orig
 
-    def _has_data(self) -> bool:
-        return not (self.min_val.dim() == 0 and bool(self.min_val == math.inf))
-
-    def _linear(self) -> LinearHistogram | None:
-        if self.calib_hist.numel() == 0:
-            return None
-        return LinearHistogram(self.calib_hist, self.calib_bin_edges)
-
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` in the histogram engine's `(N, *Q, G)` layout (Quark's order)."""
+        """`x` in the canonical `(N, *Q, G)` layout of the qscheme."""
         spec = self.qspec
+        if self._per_tensor:
+            return x.reshape(1, -1)  # 0-d qparams, as Quark's
         if self.qscheme == QSchemeType.per_channel:
-            return channel_view(x, int(spec.ch_axis or 0))  # (pre, C, post)
-        if x.ndim == 0:
-            x = x.reshape(1)
-        axis = normalize_axis(int(spec.ch_axis or 0), x.ndim)
-        size = x.shape[axis]
-        group = size if spec.group_size in (None, -1) else int(spec.group_size)
-        if size % group:
-            raise ValueError(
-                f"the axis {axis} of size {size} does not divide into groups of "
-                f"{group}; use a group_size that divides {size}"
-            )
-        rows = x.transpose(axis, -1).reshape(-1, size)  # Quark's group order
-        return rows.reshape(1, rows.shape[0], size // group, group)  # (1, R, G#, g)
+            return per_channel_view(x, int(spec.ch_axis or 0))  # (N, C, G)
+        group = -1 if spec.group_size is None else int(spec.group_size)
+        return group_view(x, int(spec.ch_axis or 0), group)  # (1, R, G#, g)
 
-    def _engine(self) -> Histogram | None:
-        stats = {name: getattr(self, f"hist_{name}") for name in _ENGINE_FIELDS}
-        if stats["counts"].numel() == 0:
-            return None
-        return Histogram.from_state(stats, absolute=self._absolute)
-
-    def _update_engine(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_flat = self._flatten(x)
-        low, high = minmax(x_flat)
-        check_finite(type(self).__name__, low, high)
-        data_range = (low, high)
-        skip = self._skip_zeros
-        if skip:  # zeros -> NaN, which the engine leaves out
-            x_flat = torch.where(x_flat == 0, math.nan, x_flat)
-            data_range = minmax_omit_nonfinite(x_flat)
-        hist = self._engine()
-        if hist is None:
-            qshape = tuple(low.shape)
-            check_budget(math.prod(qshape), self._num_bins, what=type(self).__name__)
-            hist = empty_histogram(qshape, self._num_bins, self._absolute, x.device)
-        hist = update_histogram(
-            hist, x_flat, data_range, has_nonfinite=skip, inplace=True
-        )
-        for name, value in hist.state().items():
-            setattr(self, f"hist_{name}", value)
-        return low, high
-
-    # -- qparams -------------------------------------------------------------
-
-    def _require_data(self) -> None:
-        if not self._has_data():
+    def _histogram(self) -> Statistic:
+        stat = self.statistic()
+        if stat is None:
             raise ValueError(
                 f"{type(self).__name__}: no data observed yet; run calibration "
                 "batches through the observer before asking for qparams"
             )
+        return stat
 
-    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+    # -- qparams -------------------------------------------------------------
+
+    def _search_range(self) -> Range:
         """The range the qparams come from: here the observed one."""
-        return self.min_val, self.max_val
+        stat = self._histogram()
+        return stat.min_vals, stat.max_vals  # type: ignore[attr-defined]
 
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Search the histogram once, then Quark's qparams of that range.
@@ -234,34 +229,12 @@ class PerTensorHistogramObserver(UniformScalingObserver):
             `(scale, zero_point)`: 0-d per tensor, `(C,)` per channel,
             `(rows, groups)` per group.
         """
-        self._require_data()
         low, high = self._search_range()
-        scale, zero_point = self.calculate_qparams(low, high)
-        if self.qscheme == QSchemeType.per_group:
-            groups = self._group_count()
-            scale, zero_point = (
-                scale.reshape(-1, groups),
-                zero_point.reshape(-1, groups),
-            )
-        return scale, zero_point
-
-    def _group_count(self) -> int:
-        shape = self.hist_min_vals.shape
-        return int(shape[-1]) if len(shape) == 2 else 1
+        return self.calculate_qparams(low, high)
 
     def reset_min_max_vals(self) -> None:
         """Forget the range and the histograms."""
-        super().reset_min_max_vals()
-        device = self.min_val.device
-        self.calib_hist = torch.tensor([], dtype=torch.int64, device=device)
-        self.calib_bin_edges = torch.tensor([], device=device)
-        for name in _ENGINE_FIELDS:
-            setattr(self, f"hist_{name}", torch.tensor([], device=device))
-        self._num_bins = type(self)._default_bins()
-
-    @classmethod
-    def _default_bins(cls) -> int:
-        return 2048
+        self.reset()
 
     def get_extra_state(self) -> dict[str, Any]:
         """Base state plus the bin count."""
@@ -273,12 +246,18 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         if isinstance(state, dict) and "num_bins" in state:
             self._num_bins = int(state["num_bins"])
 
-    def _engine_edges(
-        self, hist: Histogram
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flattened `(counts (Q, B), left edge (Q,), width (Q,))`."""
+    def _exact(self) -> tuple[Histogram, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-qparam histogram, flattened: `(hist, counts (Q, B), left
+        edge (Q,), width (Q,))`."""
+        hist = self._histogram()
+        assert isinstance(hist, Histogram)
         lo, width = hist.edges()
-        return hist.counts.reshape(-1, hist.bins), lo.reshape(-1), width.reshape(-1)
+        return (
+            hist,
+            hist.counts.reshape(-1, hist.bins),
+            lo.reshape(-1),
+            width.reshape(-1),
+        )
 
 
 class PerTensorPercentileObserver(PerTensorHistogramObserver):
@@ -289,16 +268,12 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
     """
 
     _symmetric_only = False
+    _skip_zeros = True
+    _default_bins = 4200
 
     def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
         super().__init__(qspec, device)
-        self._skip_zeros = True
-        self._num_bins = 4200
         self.percentile = 99.99999999
-
-    @classmethod
-    def _default_bins(cls) -> int:
-        return 4200
 
     def get_min_max_by_percentile(
         self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float
@@ -306,8 +281,9 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
         """Range of a `(bins,)` histogram over `(bins + 1,)` edges at `percentile`.
 
         Returns:
-            `(min, max)` 0-d tensors (see `quantobs.faces.quark.search`); an empty
-            histogram gives `(zeros(1), zeros(1))` with a warning, as Quark.
+            `(min, max)` 0-d tensors (see `quantobs.solvers.quark_histogram`);
+            an empty histogram gives `(zeros(1), zeros(1))` with a warning, as
+            Quark.
 
         Raises:
             ValueError: `percentile` outside 0..100, or edges and counts that
@@ -334,13 +310,13 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
             return zero, zero
         return found
 
-    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hist = self._engine()
-        if hist is None:
+    def _search_range(self) -> Range:
+        if self._per_tensor:
+            self._histogram()
             return self.get_min_max_by_percentile(
                 self.calib_hist, self.calib_bin_edges, self.percentile
             )
-        counts, lo, width = self._engine_edges(hist)
+        hist, counts, lo, width = self._exact()
         if self._absolute:
             amax = torch.maximum(-hist.min_vals, hist.max_vals).reshape(-1)
             upper = percentile_upper(counts, lo, width, self.percentile, amax)
@@ -408,17 +384,17 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
         centers = (edges[1:] + edges[:-1]) / 2
         index = mse_candidates(centers.numel(), start_bin, stride).to(edges.device)
         low = edges[:1] * 0 if self._absolute else edges[:1]
-        errors = candidate_errors(
-            centers[None], calib_hist[None], low, centers[index][None], self._fake_quant
+        errors = self._errors(
+            centers[None], calib_hist[None], low, centers[index][None]
         )
         best = centers[index[int(errors[0].argmin())]]
         return low[0], best
 
-    def _search_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hist = self._engine()
-        if hist is None:
+    def _search_range(self) -> Range:
+        if self._per_tensor:
+            self._histogram()
             return self.get_min_max_by_mse(self.calib_hist, self.calib_bin_edges)
-        counts, lo, width = self._engine_edges(hist)
+        hist, counts, lo, width = self._exact()
         bins = counts.shape[1]
         index = torch.arange(bins, dtype=torch.float64, device=lo.device) + 0.5
         centers = (lo[:, None] + index * width[:, None]).float()  # (Q, bins)
@@ -433,34 +409,37 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
         fraction = (picks.to(torch.float64) + 0.5) / bins
         spread = (high - low).double()
         candidates = (low[:, None].double() + spread[:, None] * fraction).float()
-        errors = candidate_errors(centers, counts, low, candidates, self._fake_quant)
+        errors = self._errors(centers, counts, low, candidates)
         best = candidates.gather(1, errors.argmin(dim=1, keepdim=True))
         shape = hist.qparam_shape
         return low.reshape(shape), best.reshape(shape)
 
-    def _fake_quant(
-        self, values: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    def _errors(
+        self,
+        centers: torch.Tensor,
+        counts: torch.Tensor,
+        low: torch.Tensor,
+        candidates: torch.Tensor,
     ) -> torch.Tensor:
-        """Quantize-dequantize as Quark's search does (torch's fake quant)."""
+        """`(Q, C)` count-weighted squared errors of the candidate ranges
+        `[low, candidate]` over the bin centers `(Q, B)` (Quark's objective,
+        fake-quantized by the one scorer)."""
+        fmt = element_format(self.dtype)
+        high = candidates.T  # (C, Q)
         if self.dtype in _FP8:
-            fmt = element_format(self.dtype)
-            scale = high / fmt.max
-            return fmt.round((values / scale).clamp(fmt.min, fmt.max)) * scale
-        scale, zero_point = qp.int_qparams(
-            low.expand_as(high),
-            high,
-            self.quant_min,
-            self.quant_max,
-            self._absolute,
-            self.eps,
-        )
-        inv = 1.0 / scale  # torch.fake_quantize_per_tensor_affine multiplies
-        q = torch.round(values * inv)
-        if self._absolute:  # zero point 0
-            return q.clamp_(self.quant_min, self.quant_max).mul_(scale)
-        zp = zero_point.to(torch.float32)
-        q = q.add_(zp).clamp_(self.quant_min, self.quant_max).sub_(zp)
-        return q.mul_(scale)
+            scale, zero_point = high / fmt.max, None
+        else:
+            scale, zero_point = int_qparams(
+                low[None].expand_as(high),
+                high,
+                self.quant_min,
+                self.quant_max,
+                self._absolute,
+                self.eps,
+            )
+            zero_point = None if self._absolute else zero_point.float()
+        found = score(centers[None], scale, zero_point, fmt, 2.0, weights=counts)
+        return found.T  # (Q, C)
 
 
 class PerTensorHistogramObserverPro(UniformScalingObserver):

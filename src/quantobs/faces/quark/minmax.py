@@ -1,28 +1,26 @@
 """Min-max observers: per tensor, per channel, per group; and the placeholder.
 
-Ranges are one reduction over a view of the input (`quantobs.faces.quark.blocks`):
-per tensor one `aminmax` pass; per channel and per group `amin` + `amax` over
-a `(pre, C, post)` or block view, no permute copy. Static observers
-(`is_dynamic` false) keep the running range; dynamic ones keep the last
-batch's. As in Quark, `PerGroupMinMaxObserver` always keeps the last batch's
-(Quark calibrates per-group weights, observed once).
+Each is a `MinMax` statistic of the engine over a view of the input (per
+tensor the whole tensor, one `aminmax` pass; per channel `channel_view`; per
+group `group_view`: no permute copy along the last axis). Static observers
+(`is_dynamic` false) keep the running range; dynamic ones the last batch's.
+As in Quark, `PerGroupMinMaxObserver` always keeps the last batch's (Quark
+calibrates per-group weights, observed once).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from quantobs.core.layout import group_view
 from quantobs.faces.quark.base import (
     FLOAT32_EPS,
     ObserverBase,
     UniformScalingObserver,
-    check_finite,
-    stat_dtype,
+    per_channel_view,
 )
-from quantobs.faces.quark.blocks import block_minmax, channel_minmax
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
 
 __all__ = [
@@ -84,17 +82,9 @@ class PerTensorMinMaxObserver(UniformScalingObserver):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Record the range of `x_orig` (any shape); return it unchanged."""
-        if x_orig.numel() == 0:
-            return x_orig
-        x = x_orig.detach()
-        min_val, max_val = torch.aminmax(x)  # one pass, in x's dtype
-        check_finite(type(self).__name__, min_val, max_val)
-        dtype = stat_dtype(x.dtype)
-        min_val, max_val = min_val.to(dtype), max_val.to(dtype)
-        if not self.is_dynamic:
-            min_val = torch.minimum(min_val, self.min_val.to(dtype))
-            max_val = torch.maximum(max_val, self.max_val.to(dtype))
-        self._store_range(min_val, max_val, x)
+        if x_orig.numel():
+            x = x_orig.detach()
+            self._observe_view(x.reshape(1, -1), x)  # 0-d ranges: one aminmax pass
         return x_orig
 
 
@@ -124,30 +114,19 @@ class PerChannelMinMaxObserver(UniformScalingObserver):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Record per-channel ranges of `x_orig`; return it unchanged."""
-        if x_orig.numel() == 0:
-            return x_orig
-        if self.ch_axis is None:
-            raise ValueError("PerChannelMinMaxObserver needs qspec.ch_axis (e.g. 0)")
-        x = x_orig.detach()
-        min_val, max_val = channel_minmax(x, self.ch_axis)  # (C,)
-        check_finite(type(self).__name__, min_val, max_val)
-        dtype = stat_dtype(x.dtype)
-        min_val, max_val = min_val.to(dtype), max_val.to(dtype)
-        if not self.is_dynamic and self._has_range():
-            if self.min_val.shape != min_val.shape:
-                raise ValueError(
-                    f"{type(self).__name__}: {min_val.numel()} channels along "
-                    f"ch_axis={self.ch_axis}, but earlier batches had "
-                    f"{self.min_val.numel()}; use one observer per tensor, or "
-                    "reset_min_max_vals() first"
-                )
-            min_val = torch.minimum(min_val, self.min_val.to(dtype))
-            max_val = torch.maximum(max_val, self.max_val.to(dtype))
-        self._store_range(min_val, max_val, x)
+        if x_orig.numel():
+            x = x_orig.detach()
+            self._observe_view(per_channel_view(x, self._channel_axis(x)), x)
         return x_orig
 
-    def _has_range(self) -> bool:
-        return not (self.min_val.dim() == 0 and bool(self.min_val == math.inf))
+    def _shape_error(
+        self, before: tuple[int, ...], after: tuple[int, ...]
+    ) -> Exception:
+        return ValueError(
+            f"{type(self).__name__}: {after[0]} channels along "
+            f"ch_axis={self.ch_axis}, but earlier batches had {before[0]}; use "
+            "one observer per tensor, or reset_min_max_vals() first"
+        )
 
 
 class PerGroupMinMaxObserver(UniformScalingObserver):
@@ -177,17 +156,20 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
         super().__init__(qspec, device, eps)
         self.ch_axis = int(self.qspec.ch_axis or 0)
         self.group_size = int(self.qspec.group_size or -1)
-        self.group_count = 1
+
+    @property
+    def group_count(self) -> int:
+        """Groups per row of the recorded ranges (1 before any data)."""
+        return int(self.min_val.shape[-1]) if self.min_val.dim() == 2 else 1
+
+    def _keeps_latest(self) -> bool:
+        return True
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Record per-group ranges of `x_orig`; return it unchanged."""
-        if x_orig.numel() == 0:
-            return x_orig
-        x = x_orig.detach()
-        min_val, max_val = block_minmax(x, self.ch_axis, self.group_size, pad=False)
-        check_finite(type(self).__name__, min_val, max_val)
-        self.group_count = int(min_val.shape[1])
-        self._store_range(min_val.reshape(-1), max_val.reshape(-1), x)
+        if x_orig.numel():
+            x = x_orig.detach()
+            self._observe_view(group_view(x, self.ch_axis, self.group_size), x)
         return x_orig
 
     def calculate_qparams(
@@ -195,17 +177,5 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point per group, each `(rows, group_count)`."""
         scale, zero_point = super().calculate_qparams(min_val, max_val)
-        return (
-            scale.reshape(-1, self.group_count),
-            zero_point.reshape(-1, self.group_count),
-        )
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """Base state plus `group_count`."""
-        return {**super().get_extra_state(), "group_count": self.group_count}
-
-    def set_extra_state(self, state: Any) -> None:
-        """Inverse of `get_extra_state`."""
-        super().set_extra_state(state)
-        if isinstance(state, dict):
-            self.group_count = int(state.get("group_count", 1))
+        groups = self.group_count
+        return scale.reshape(-1, groups), zero_point.reshape(-1, groups)

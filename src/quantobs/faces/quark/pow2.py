@@ -1,43 +1,35 @@
 """Quark's power-of-two observers (ported from its ONNX tools): min-max and MinMSE.
 
 Per call of `_calculate_qparams` (Quark calls it after every calibration
-batch) the running range gives one power-of-two candidate, and the observer
-returns the most frequent `(scale, zero_point)` over all calls so far (ties:
-the earliest). One candidate::
-
-    range       zero-extended; symmetric: [-amax, amax]
-    scale       (max - min) / (qmax - qmin)  (1 for an empty range)
-    zero point  trunc(qmin - min / scale)
-    pof2        scale rounded to the nearest power of two in log2
-    zero point  max(zero point, qmin); 128 if symmetric uint8 gave 127
-
-MinMSE observers then try `pof2 * 2**k` for `k = 2, 1, 0, -1, -2` on the
-last batch (same zero point) and keep the first of least squared error;
-per channel one common `k` for all channels, chosen on the summed error (as
-Quark).
+batch) the running range gives one power-of-two candidate
+(`quantobs.core.qparams.quark.QuarkPow2Rule`), and the observer returns the
+most frequent `(scale, zero_point)` over all calls so far (ties: the
+earliest). MinMSE observers then try `pof2 * 2**k` for `k = 2, 1, 0, -1,
+-2` on the last batch (same zero point) and keep the first of least squared
+error (scored by `quantobs.core.scoring`); per channel one common `k` for
+all channels, chosen on the summed error (as Quark).
 
 Differences from Quark: the arithmetic is float32 whatever the input dtype
 (Quark computes in it: a bfloat16 input gives symmetric int8 the zero point
 -1, and float16 per-channel inputs raise); the power of two is decided
 exactly (Quark rounds a float32 `log2`); an all-zero channel gets the scale
-of an empty range (Quark divides 0 by 0); errors are summed in float64.
+of an empty range (Quark divides 0 by 0).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 
-from quantobs.core.qparams import quark as qp
-from quantobs.faces.quark.base import warn_unobserved
-from quantobs.faces.quark.blocks import channel_view
+from quantobs.core.qparams.quark import QuarkPow2Rule, QuarkRule, most_frequent
+from quantobs.core.scoring import score
+from quantobs.faces.quark.base import per_channel_view
 from quantobs.faces.quark.minmax import (
     PerChannelMinMaxObserver,
     PerTensorMinMaxObserver,
 )
-from quantobs.faces.quark.spec import Dtype, QTensorConfig
+from quantobs.faces.quark.spec import Dtype, QTensorConfig, element_format
 
 __all__ = [
     "PerChannelPowOf2MinMSEObserver",
@@ -70,33 +62,39 @@ class _Pow2Mixin:
     def _pow2_candidate(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One power-of-two `(scale, zero_point)` of a range (module table)."""
-        min_val, max_val = min_val.float(), max_val.float()
-        qmin, qmax = float(self.quant_min), float(self.quant_max)
-        min_neg = torch.clamp(min_val, max=0)
-        max_pos = torch.clamp(max_val, min=0)
-        if self.symmetric:
-            amax = torch.maximum(-min_neg, max_pos)
-            min_neg, max_pos = -amax, amax
-        spread = max_pos - min_neg
-        scale = torch.where(spread != 0, spread / (qmax - qmin), 1.0)
-        zero_point = (qmin - min_neg / scale).trunc()
-        pof2 = qp.pow2_round(scale)
-        new_min = torch.clamp((qmin - zero_point) * pof2, max=0)
-        zero_point = torch.round(qmin - new_min / pof2).to(torch.int32)
-        if (
-            self.symmetric
-            and self.dtype == Dtype.uint8
-            and bool((zero_point == 127).all())
-        ):
-            zero_point = torch.full_like(zero_point, 128)
-        return pof2, zero_point
+        """One power-of-two `(scale, zero_point)` of a range."""
+        rule = QuarkPow2Rule(
+            self.quant_min,
+            self.quant_max,
+            bool(self.symmetric),
+            middle_zero_point=bool(self.symmetric) and self.dtype == Dtype.uint8,
+        )
+        return rule(min_val, max_val)
+
+    def _one_batch(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pow2_candidate(min_val, max_val)
+
+    def _candidate(
+        self, min_val: torch.Tensor, max_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's candidate; before any observation Quark's defaults,
+        with its warning."""
+        if min_val.dim() == 0 and bool(min_val > max_val):
+            rule = QuarkRule("int", self.quant_min, self.quant_max, owner=self.owner)
+            return rule(min_val, max_val)
+        return self._one_batch(min_val, max_val)
+
+    @property
+    def owner(self) -> str:
+        return type(self).__name__
 
     def _vote(self, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[float, ...]:
         """Record this call's qparams; the most frequent so far (earliest on ties)."""
         both = torch.cat([scale.reshape(-1).float(), zero_point.reshape(-1).float()])
         self._votes.append(tuple(both.tolist()))
-        return Counter(self._votes).most_common(1)[0][0]
+        return most_frequent(self._votes)
 
     def get_extra_state(self) -> dict[str, Any]:
         """Base state plus the votes."""
@@ -110,15 +108,17 @@ class _Pow2Mixin:
 
 
 class _LastBatchMixin:
-    """MinMSE observers: keep the last batch; search its best shift once."""
+    """MinMSE observers: keep the last batch (a buffer, not saved); search its
+    best shift once."""
 
     original_tensor: torch.Tensor | None
     pos_range: int
     _pow2_candidate: Any
+    register_buffer: Any
 
     def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
         super().__init__(qspec, device)  # type: ignore[call-arg]
-        self.original_tensor = None
+        self.register_buffer("original_tensor", None, persistent=False)
         self.pos_range = len(_SHIFTS)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
@@ -169,22 +169,13 @@ class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
         """Zero points of every call so far (Quark's attribute)."""
         return [vote[1] for vote in self._votes]
 
-    def _one_batch(
-        self, min_val: torch.Tensor, max_val: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._pow2_candidate(min_val, max_val)
-
     def calculate_qparams(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record this range's candidate; return the most frequent one."""
-        device = min_val.device
-        if min_val.dim() == 0 and bool(min_val > max_val):
-            warn_unobserved(type(self).__name__)
-            scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
-        else:
-            scale, zero_point = self._one_batch(min_val, max_val)
+        scale, zero_point = self._candidate(min_val, max_val)
         best = self._vote(scale, zero_point)
+        device = min_val.device
         return torch.tensor(best[0], device=device), torch.tensor(
             best[1], device=device
         )
@@ -199,7 +190,7 @@ class PerTensorPowOf2MinMSEObserver(_LastBatchMixin, PerTensorPowOf2MinMaxObserv
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scale, zero_point, data = self._take_batch(min_val, max_val)
         best = _best_shift(
-            data.reshape(1, 1, -1), scale.reshape(1, -1, 1), zero_point, self
+            data.reshape(1, 1, -1), scale.reshape(1), zero_point.reshape(1), self
         )
         return scale * 2.0**best, zero_point
 
@@ -225,23 +216,14 @@ class PerChannelPowOf2MinMaxObserver(_Pow2Mixin, PerChannelMinMaxObserver):
         """Every call's `cat([scale, zero_point])` (Quark's attribute)."""
         return [torch.tensor(vote) for vote in self._votes]
 
-    def _one_batch(
-        self, min_val: torch.Tensor, max_val: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._pow2_candidate(min_val, max_val)
-
     def calculate_qparams(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record this range's candidates; return the most frequent vector."""
-        device = min_val.device
-        if min_val.dim() == 0 and bool(min_val > max_val):
-            warn_unobserved(type(self).__name__)
-            scale, zero_point = torch.tensor([1.0]), torch.tensor([0])
-        else:
-            scale, zero_point = self._one_batch(min_val, max_val)
+        scale, zero_point = self._candidate(min_val, max_val)
         best = self._vote(scale, zero_point)
         half = len(best) // 2
+        device = min_val.device
         return (
             torch.tensor(best[:half], device=device),
             torch.tensor(best[half:], dtype=torch.int32, device=device),
@@ -256,10 +238,8 @@ class PerChannelPowOf2MinMSEObserver(_LastBatchMixin, PerChannelPowOf2MinMaxObse
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scale, zero_point, data = self._take_batch(min_val, max_val)
-        view = channel_view(data, int(self.ch_axis or 0))  # (pre, C, post)
-        best = _best_shift(
-            view, scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1), self
-        )
+        view = per_channel_view(data, int(self.ch_axis or 0))  # (N, C, G)
+        best = _best_shift(view, scale, zero_point, self)
         return scale * 2.0**best, zero_point
 
 
@@ -272,22 +252,14 @@ def _best_shift(
     """The `k` of `_SHIFTS` whose `scale * 2**k` least distorts `data`.
 
     Args:
-        data: `(pre, C, post)` values.
-        scale: `(1, C, 1)` power-of-two scales.
-        zero_point: zero points broadcastable to `scale`.
-        owner: the observer (its `quant_min` / `quant_max`).
+        data: `(N, C, G)` values.
+        scale: `(C,)` power-of-two scales.
+        zero_point: `(C,)` zero points.
+        owner: the observer (its dtype's format).
     """
-    values = data.float()
-    zp = zero_point.float()
-    best, best_err = _SHIFTS[0], float("inf")
-    for shift in _SHIFTS:  # five candidates, each one pass over the batch
-        trial = scale * 2.0**shift
-        q = (
-            torch.round(values / trial)
-            .add_(zp)
-            .clamp_(owner.quant_min, owner.quant_max)
-        )
-        err = float(q.sub_(zp).mul_(trial).sub_(values).double().square_().sum())
-        if err < best_err:
-            best, best_err = shift, err
-    return best
+    shifts = torch.tensor([2.0**k for k in _SHIFTS], device=scale.device)
+    scales = scale.float()[None, :] * shifts[:, None]  # (5, C)
+    zero_points = zero_point.float()[None, :].expand_as(scales)
+    fmt = element_format(owner.dtype)
+    errors = score(data.float(), scales, zero_points, fmt, 2.0).sum(dim=1)  # (5,)
+    return _SHIFTS[int(errors.argmin())]  # the first least error

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from quantobs.core.formats import NumberFormat, get_format
+from quantobs.core.registry import Registry, coerce_enum
 
 __all__ = [
     "MX_ELEMENT_DTYPES",
@@ -207,35 +208,18 @@ def mx_element_params(dtype: Dtype) -> tuple[int, int]:
 E = TypeVar("E", bound=Enum)
 
 
-def _coerce(enum: type[E], value: Any, field: str) -> E:
-    """An `enum` member from a member, a foreign enum (Quark's), a value or a name."""
-    if isinstance(value, enum):
-        return value
-    raw = value.value if isinstance(value, Enum) else value
-    for member in enum:
-        if member.value == raw:
-            return member
-    if isinstance(raw, str):
-        key = raw.strip().lower()
-        for member in enum:
-            if member.name == key or str(member.value) == key:
-                return member
-    valid = ", ".join(repr(m.name) for m in enum)
-    raise ValueError(f"{field}={value!r} is not valid; use one of {valid}")
-
-
 def _optional(enum: type[E], value: Any, field: str) -> E | None:
-    return None if value is None else _coerce(enum, value, field)
+    return None if value is None else coerce_enum(enum, value, field)
 
 
-# Observer classes by name, filled by `quantobs.faces.quark.base.ObserverBase`
+# Observer classes by class name, filled by `quantobs.faces.quark.base.ObserverBase`
 # subclasses as they are defined (`register_observer`).
-_OBSERVERS: dict[str, type] = {}
+_OBSERVERS: Registry[type] = Registry("Quark observer")
 
 
 def register_observer(cls: type) -> None:
     """Make `cls` known to specs by its class name (done by `ObserverBase`)."""
-    _OBSERVERS[cls.__name__] = cls
+    _OBSERVERS.register(cls.__name__)(cls)
 
 
 def observer_class(value: Any) -> type:
@@ -245,12 +229,15 @@ def observer_class(value: Any) -> type:
         ValueError: no observer of that name in `quantobs.faces.quark`.
     """
     name = value if isinstance(value, str) else getattr(value, "__name__", None)
-    found = _OBSERVERS.get(name) if isinstance(name, str) else None
+    try:
+        found = _OBSERVERS.get(name) if isinstance(name, str) else None
+    except KeyError:
+        found = None
     if found is None or _abstract(found):
-        valid = ", ".join(sorted(n for n, c in _OBSERVERS.items() if not _abstract(c)))
+        concrete = [n for n in _OBSERVERS.names() if not _abstract(_OBSERVERS.get(n))]
         raise ValueError(
             f"observer_cls={value!r} is not an observer of quantobs.faces.quark; use "
-            f"one of {valid}"
+            f"one of {', '.join(concrete)}"
         )
     return found
 
@@ -322,7 +309,7 @@ class QTensorConfig:
     max_input_numel: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        self.dtype = _coerce(Dtype, self.dtype, "dtype")
+        self.dtype = coerce_enum(Dtype, self.dtype, "dtype")
         self.qscheme = _optional(QSchemeType, self.qscheme, "qscheme")
         self.scale_type = _optional(ScaleType, self.scale_type, "scale_type")
         self.round_method = _optional(RoundType, self.round_method, "round_method")

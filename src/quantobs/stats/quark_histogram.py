@@ -11,7 +11,7 @@ the current range. Symmetric histograms count `|x|` over `[0, max |x|]`;
 Differences from Quark, both fixes:
 
 * Counts are int64, exact (Quark's `torch.histc` counts are float32 and stop
-  growing past 2**24 per bin); batches are binned in chunks of 2**22.
+  growing past 2**24 per bin); batches are binned in chunks of 2**18.
 * Growing to the left adds the old counts at their own bins, shifted by the
   bins added (Quark adds them at offset 0, under the wrong values, and starts
   the new grid one bin left of the data instead of on the old grid).
@@ -19,45 +19,155 @@ Differences from Quark, both fixes:
 Boundary rule of a bin (as `torch.histc`): value `v` of `[lo, hi]` falls in
 bin `trunc((v - lo) * bins / (hi - lo))` computed in float32, `hi` in the
 last bin.
+
+Merge (Quark has none; approximate): both histograms are re-binned onto the
+canonical grid of their joint data range (`bins` equal bins over it), each
+old bin's count moving whole to the new bin that holds its center, and
+added. Processes align the same way (`align`), so an all-reduce of the
+counts gives the merge.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from quantobs.stats.base import Batch, Field, Reduce, Statistic
+
 __all__ = [
-    "LinearHistogram",
+    "QuarkHistogram",
     "batch_range",
     "histc_counts",
     "update_linear_histogram",
 ]
+
+
+@dataclass(frozen=True)
+class QuarkHistogram(Statistic):
+    """Quark's growing per-tensor histogram, with the observed data range.
+
+    Attributes:
+        counts: `(bins,)` int64 counts (empty before any data).
+        edges: `(bins + 1,)` float32 bin edges (Quark's `calib_bin_edges`).
+        min_vals: `()` smallest value observed (zeros included).
+        max_vals: `()` largest value observed.
+        bins: bins of the first batch's grid (config).
+        absolute: count `|x|` (config).
+        skip_zeros: leave exact zeros out of the counts (config).
+    """
+
+    counts: torch.Tensor
+    edges: torch.Tensor
+    min_vals: torch.Tensor
+    max_vals: torch.Tensor
+    bins: int = 2048
+    absolute: bool = False
+    skip_zeros: bool = False
+
+    fields: ClassVar[tuple[Field, ...]] = (
+        Field("counts", Reduce.SUM),
+        Field("edges", Reduce.GRID),
+        Field("min_vals", Reduce.MIN),
+        Field("max_vals", Reduce.MAX),
+    )
+    exact: ClassVar[bool] = False
+    needs_values: ClassVar[bool] = True
+
+    @classmethod
+    def empty(
+        cls,
+        qparam_shape: tuple[int, ...],
+        device: torch.device,
+        *,
+        bins: int = 2048,
+        absolute: bool = False,
+        skip_zeros: bool = False,
+    ) -> QuarkHistogram:
+        """No data: no bins yet, the empty range `(+inf, -inf)`."""
+        if math.prod(qparam_shape) != 1:
+            raise ValueError(
+                f"Quark's histogram is per tensor; got qparam shape {qparam_shape}"
+            )
+        return cls(
+            torch.zeros(0, dtype=torch.int64, device=device),
+            torch.zeros(0, device=device),
+            torch.full(qparam_shape, math.inf, device=device),
+            torch.full(qparam_shape, -math.inf, device=device),
+            bins,
+            absolute,
+            skip_zeros,
+        )
+
+    @property
+    def qparam_shape(self) -> tuple[int, ...]:
+        return tuple(self.min_vals.shape)
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.counts.numel() == 0 else (self.counts, self.edges)
+
+    def update(self, batch: Batch) -> QuarkHistogram:
+        if batch.x_flat is None:
+            raise ValueError("a histogram counts values; the batch has none")
+        low, high = batch.min_vals.reshape(()), batch.max_vals.reshape(())
+        counts, edges = update_linear_histogram(
+            self._grid(),
+            batch.x_flat,
+            self.bins,
+            self.absolute,
+            self.skip_zeros,
+            minmax=(low, high),
+        )
+        return self.replace(
+            counts=counts,
+            edges=edges,
+            min_vals=torch.minimum(
+                self.min_vals, batch.min_vals.to(self.min_vals.dtype)
+            ),
+            max_vals=torch.maximum(
+                self.max_vals, batch.max_vals.to(self.max_vals.dtype)
+            ),
+        )
+
+    def align(self, reduced: Mapping[str, torch.Tensor]) -> QuarkHistogram:
+        """Re-binned onto the canonical grid of the reduced data range."""
+        low, high = reduced["min_vals"], reduced["max_vals"]
+        if self.counts.numel() == 0 or not bool(low <= high):
+            return self.replace(min_vals=low, max_vals=high)
+        x_min, x_max = batch_range(
+            torch.stack([low.reshape(()), high.reshape(())]), self.absolute, False
+        )
+        x_max = _widen_constant(x_min, x_max, self.bins)
+        edges = torch.linspace(x_min, x_max, self.bins + 1, device=self.edges.device)
+        centers = (self.edges[1:] + self.edges[:-1]) / 2
+        target = torch.bucketize(centers, edges, right=True) - 1
+        target = target.clamp_(0, self.bins - 1)
+        counts = torch.zeros(self.bins, dtype=torch.int64, device=self.counts.device)
+        counts.index_add_(0, target, self.counts)
+        return self.replace(counts=counts, edges=edges, min_vals=low, max_vals=high)
+
+    def merge(self, other: QuarkHistogram) -> QuarkHistogram:
+        """Both re-binned onto the grid of the joint range, added (approximate)."""
+        if other.counts.numel() == 0:
+            return self
+        if self.counts.numel() == 0:
+            return other
+        reduced = {
+            "min_vals": torch.minimum(self.min_vals, other.min_vals),
+            "max_vals": torch.maximum(self.max_vals, other.max_vals),
+        }
+        mine, theirs = self.align(reduced), other.align(reduced)
+        return mine.replace(counts=mine.counts + theirs.counts)
+
 
 # Elements per histc call: float32 counts stay exact, and the float32 copy
 # (or |x|) it reads stays in cache (measured fastest on CPU).
 _CHUNK = 1 << 18
 _F32_EPS = torch.finfo(torch.float32).eps
 _F32_TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclass(frozen=True)
-class LinearHistogram:
-    """Counts over uniform bins.
-
-    Attributes:
-        counts: `(bins,)` int64.
-        edges: `(bins + 1,)` float32 bin edges (Quark's `calib_bin_edges`).
-    """
-
-    counts: torch.Tensor
-    edges: torch.Tensor
-
-    @property
-    def bins(self) -> int:
-        """Number of bins."""
-        return int(self.counts.numel())
 
 
 def batch_range(
@@ -144,17 +254,17 @@ def histc_counts(
 
 
 def update_linear_histogram(
-    hist: LinearHistogram | None,
+    hist: tuple[torch.Tensor, torch.Tensor] | None,
     x: torch.Tensor,
     bins: int,
     symmetric: bool,
     skip_zeros: bool,
     minmax: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> LinearHistogram:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Add a batch to the histogram, growing its range by whole bins.
 
     Args:
-        hist: the histogram so far, or None before the first batch.
+        hist: `(counts, edges)` so far, or None before the first batch.
         x: finite values of the batch (any shape).
         bins: bins of the first batch's grid.
         symmetric: histogram of `|x|` from 0.
@@ -162,7 +272,7 @@ def update_linear_histogram(
         minmax: `torch.aminmax(x)` if already known.
 
     Returns:
-        The new histogram (counts of every batch so far).
+        The new `(counts, edges)` (counts of every batch so far).
     """
     x_min, x_max = batch_range(x, symmetric, skip_zeros, minmax)
     device = x.device
@@ -172,9 +282,9 @@ def update_linear_histogram(
         counts = histc_counts(
             x, bins, x_min, x_max, absolute=symmetric, skip_zeros=skip_zeros
         )
-        return LinearHistogram(counts, edges)
-    x_max = _widen_constant(x_min, x_max, hist.bins)
-    edges, counts = hist.edges, hist.counts
+        return counts, edges
+    counts, edges = hist
+    x_max = _widen_constant(x_min, x_max, counts.numel())
     width = float(edges[1] - edges[0])
     if x_min < edges[0]:  # grow left on the old grid; old counts shift right
         added = int(torch.ceil((edges[0] - x_min) / width))
@@ -200,4 +310,4 @@ def update_linear_histogram(
         absolute=symmetric,
         skip_zeros=skip_zeros,
     )
-    return LinearHistogram(counts + batch, edges)
+    return counts + batch, edges

@@ -1,4 +1,5 @@
-"""Quark's histogram range searches: percentile and MSE, as pure functions.
+"""Quark's histogram range searches (per-tensor linear histograms): percentile
+and the MSE search's candidates, as pure functions.
 
 Percentile (Quark's `get_min_max_by_percentile`), over `counts` and
 `edges`; `p` in 0..100, `cum` the cumulative counts::
@@ -18,21 +19,15 @@ MSE (Quark's `get_min_max_by_mse`): candidate maxima are the bin centers
 from `start_bin` on (every `stride`-th; 3 of 2048 by default), the minimum
 is 0 (symmetric) or the data minimum; each candidate's error is
 `sum(counts * (fake_quant(center) - center)**2)` under the candidate's
-qparams, and the first least error wins. Vectorized over candidates (and
-over qparams for the per-channel histograms), in bounded chunks.
+qparams (scored by `quantobs.core.scoring.score`, weighted by the counts),
+and the first least error wins.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-__all__ = ["candidate_errors", "mse_candidates", "percentile_bounds"]
-
-_CHUNK = 1 << 20  # float32 elements per (qparams, candidates, bins) temporary
-
-FakeQuant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["mse_candidates", "percentile_bounds"]
 
 
 def percentile_bounds(
@@ -76,43 +71,3 @@ def mse_candidates(num_centers: int, start_bin: int, stride: int) -> torch.Tenso
         raise ValueError(f"stride={stride} must be a positive int")
     first = min(start_bin, max(0, num_centers - 1))
     return torch.arange(first, num_centers, stride)
-
-
-def candidate_errors(
-    centers: torch.Tensor,
-    counts: torch.Tensor,
-    low: torch.Tensor,
-    candidates: torch.Tensor,
-    fake_quant: FakeQuant,
-) -> torch.Tensor:
-    """Squared error of each candidate range, weighted by the counts.
-
-    Args:
-        centers: `(Q, B)` float32 bin centers.
-        counts: `(Q, B)` counts.
-        low: `(Q,)` lower ends of the candidate ranges.
-        candidates: `(Q, C)` upper ends.
-        fake_quant: `(values (q, 1, B), low (q, 1, 1), high (q, C, 1)) ->
-            (q, C, B)` quantize-dequantize under each range's qparams.
-
-    Returns:
-        `(Q, C)` float64 errors.
-    """
-    num_q, bins = centers.shape
-    num_c = candidates.shape[1]
-    step_q = max(1, _CHUNK // max(1, num_c * bins))
-    step_c = max(1, min(num_c, _CHUNK // max(1, bins)))
-    weights = counts.to(torch.float64)
-    out = torch.empty(candidates.shape, dtype=torch.float64, device=centers.device)
-    for q0 in range(0, num_q, step_q):  # chunks of qparams x candidates
-        rows = slice(q0, q0 + step_q)
-        values = centers[rows, None, :]
-        for c0 in range(0, num_c, step_c):
-            cols = slice(c0, c0 + step_c)
-            quantized = fake_quant(
-                values, low[rows, None, None], candidates[rows, cols, None]
-            )
-            err = quantized.sub_(values).square_().to(torch.float64)
-            # (q, c, B) @ (q, B, 1): the count-weighted sum of each row
-            out[rows, cols] = torch.bmm(err, weights[rows, :, None]).squeeze(-1)
-    return out
