@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from math import ceil
 from typing import Any
@@ -538,3 +539,165 @@ def test_bad_construction(build: Any, error: type[Exception], match: str) -> Non
 def test_base_observer_needs_calculate_qparams() -> None:
     with pytest.raises(NotImplementedError, match="must implement calculate_qparams"):
         Observer(QuantizationArgs())(torch.randn(4, 4))
+
+
+# ------------------------------------------- ranges in buffers: devices, state
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# id -> (observer class, options)
+STATEFUL: dict[str, tuple[type[Observer], dict[str, Any]]] = {
+    "minmax-c0.01": (MinMaxObserver, {}),
+    "minmax-c1": (MinMaxObserver, {"averaging_constant": 1.0}),
+    "minmax-static": (MinMaxObserver, {"averaging_constant": None}),
+    "mse-c0.01": (MovingAverageMSEObserver, {}),
+}
+STATE_CASES = ["channel-int8-asym", "group-int4-asym-gidx", "token-int8"]
+
+
+def _stateful(kind: str, case: str) -> Observer:
+    cls, options = STATEFUL[kind]
+    return cls(QuantizationArgs(**CASES[case][0]), **options)
+
+
+def _feed(
+    observer: Observer, case: str, batches: list[torch.Tensor]
+) -> tuple[Any, Any]:
+    """Observe `batches` as `get_qparams` does, plus direct calls per tensor id
+    (a str, an int and a tuple id), and return the last qparams."""
+    kwargs, shape, use_g_idx = CASES[case]
+    group_size = kwargs.get("group_size", 1)
+    device = batches[0].device
+    g_idx = _g_idx(shape[-1], group_size, 7).to(device) if use_g_idx else None
+    qparams = (None, None)
+    for x in batches:
+        qparams = observer(x, g_idx=g_idx)
+        flat = x.reshape(-1, x.shape[-1])
+        for tensor_id in ("a", 3, ("b", 1)):
+            observer.calculate_qparams(flat, reduce_dims=(1,), tensor_id=tensor_id)
+    return qparams
+
+
+def _ranges(observer: Observer) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    return {k: (observer.min_val[k], observer.max_val[k]) for k in observer.min_val}
+
+
+def _assert_same_ranges(ours: Observer, theirs: Observer) -> None:
+    mine, other = _ranges(ours), _ranges(theirs)
+    assert list(mine) == list(other)
+    for key in mine:
+        _assert_same(mine[key], other[key])
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_ranges_are_registered_buffers(kind: str, case: str) -> None:
+    observer = _stateful(kind, case)
+    _feed(observer, case, _batches(CASES[case][1], seed=1, count=2))
+    buffers = [b for _, b in observer.named_buffers()]
+    saved = [v for v in observer.state_dict().values() if isinstance(v, torch.Tensor)]
+    assert set(observer.min_val) == {GROUPS_ID if "group" in case else "default"} | {
+        "a",
+        3,
+        ("b", 1),
+    }
+    for min_vals, max_vals in _ranges(observer).values():
+        for value in (min_vals, max_vals):
+            assert any(value is b for b in buffers)
+            assert any(torch.equal(value, s) for s in saved)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_to_device_moves_ranges_and_cached_qparams(kind: str, device: str) -> None:
+    case = "group-int4-asym-gidx"
+    observer = _stateful(kind, case)
+    batches = _batches(CASES[case][1], seed=2, count=2)
+    _feed(observer, case, batches)
+    before = {k: (lo.clone(), hi.clone()) for k, (lo, hi) in _ranges(observer).items()}
+    observer.to(device)
+    for key, (low, high) in _ranges(observer).items():
+        assert low.device.type == high.device.type == device
+        _assert_same((low.cpu(), high.cpu()), before[key])
+    scale, zero_point = observer.get_qparams()
+    assert scale is not None and zero_point is not None
+    assert scale.device.type == zero_point.device.type == device
+    # A fresh observer moved first loads the saved ranges onto its device.
+    fresh = _stateful(kind, case).to(device)
+    fresh.load_state_dict(observer.state_dict())
+    assert all(lo.device.type == device for lo, _ in _ranges(fresh).values())
+    scale, _ = _feed(fresh, case, [b.to(device) for b in batches])
+    assert scale.device.type == device
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("case", STATE_CASES)
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_state_dict_then_more_batches_equals_one_run(
+    kind: str, case: str, split: int
+) -> None:
+    batches = _batches(CASES[case][1], seed=3, count=3)
+    whole = _stateful(kind, case)
+    expected = _feed(whole, case, batches)
+    first = _stateful(kind, case)
+    _feed(first, case, batches[:split])
+    resumed = _stateful(kind, case)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed._num_observed_tokens == first._num_observed_tokens
+    _assert_same_ranges(resumed, first)
+    _assert_same(_feed(resumed, case, batches[split:]), expected)
+    _assert_same_ranges(resumed, whole)
+
+
+def test_state_dict_keeps_input_dtype_and_loads_through_torch_save(
+    tmp_path: Any,
+) -> None:
+    args = QuantizationArgs(num_bits=4, group_size=8, symmetric=False)
+    observer = MinMaxObserver(args)
+    observer(_batches((8, 32), seed=4, count=1)[0].to(torch.bfloat16))
+    torch.save(observer.state_dict(), tmp_path / "state.pt")
+    fresh = MinMaxObserver(args)
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert fresh.min_val[GROUPS_ID].dtype == torch.bfloat16
+    _assert_same_ranges(fresh, observer)
+
+
+@pytest.mark.parametrize("kind", list(STATEFUL))
+def test_torch_save_and_deepcopy_keep_observing_alike(kind: str, tmp_path: Any) -> None:
+    case = "group-int4-asym-gidx"
+    batches = _batches(CASES[case][1], seed=5, count=3)
+    first, rest = batches[:1], batches[1:]
+    observer = _stateful(kind, case)
+    _feed(observer, case, first)
+    torch.save(observer, tmp_path / "observer.pt")
+    loaded = torch.load(tmp_path / "observer.pt", weights_only=False)
+    copied = copy.deepcopy(observer)
+    expected = _feed(observer, case, rest)
+    for other in (loaded, copied):
+        _assert_same(_feed(other, case, rest), expected)
+        _assert_same_ranges(other, observer)
+    # The copy's buffers are its own.
+    copied.reset()
+    assert len(observer.min_val) == 4 and len(copied.min_val) == 0
+
+
+def test_static_ranges_merge_exactly() -> None:
+    case = "group-int4-asym-gidx"
+    batches = _batches(CASES[case][1], seed=6, count=3)
+    whole, left, right = (_stateful("minmax-static", case) for _ in range(3))
+    expected = _feed(whole, case, batches)
+    _feed(left, case, batches[:1])
+    _feed(right, case, batches[1:])
+    left.merge(right)
+    _assert_same_ranges(left, whole)
+    scale, zero_point = left.get_qparams(batches[-1], g_idx=None)
+    assert scale.shape == expected[0].shape and zero_point is not None
+    with pytest.raises(ValueError, match="different options"):
+        left.merge(_stateful("minmax-c0.01", case))  # type: ignore[arg-type]
+
+
+def test_state_of_another_observer_does_not_load() -> None:
+    args = QuantizationArgs(num_bits=8)
+    observer = MinMaxObserver(args)
+    observer(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="state of observer 'minmax' cannot load"):
+        MovingAverageMSEObserver(args).load_state_dict(observer.state_dict())
