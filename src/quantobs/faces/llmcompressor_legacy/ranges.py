@@ -190,6 +190,11 @@ class RangeObserver(Observer):
         raise NotImplementedError(f"{type(self).__name__} must implement _new_range")
 
     @property
+    def has_statistics(self) -> bool:
+        """Whether any range is kept (something observed since reset)."""
+        return bool(self.tensor_ids)
+
+    @property
     def min_val(self) -> Mapping[Hashable, torch.Tensor]:
         """Running minima by `tensor_id` (keepdims shape; `(rows, num_groups)`
         under `GROUPS_ID`)."""
