@@ -15,7 +15,7 @@ unless --threads is given):
 
 2. Search only, on identical input: torch's own histogram after those
    batches, searched by torch (`_non_linear_param_search`) and by
-   `quantobs.solvers.histogram_l2.torch_l2_search` (same result, checked),
+   `quantobs.solvers.torch_l2.torch_l2_search` (same result, checked),
    plus the L2 error (torch's closed form) of torch's range and of the global
    search's range on that histogram.
 
@@ -43,7 +43,7 @@ import torch
 
 import quantobs
 from quantobs import Observer, QuantizationArgs
-from quantobs.solvers.histogram_l2 import l2_errors, l2_search, torch_l2_search
+from quantobs.solvers import l2_errors, l2_search, torch_l2_search
 
 
 def best_of(

@@ -252,18 +252,18 @@ def test_set_enabled_switches_and_returns_previous() -> None:
 
 
 def test_l2_errors_equal_the_eager_closed_form() -> None:
-    from quantobs.solvers.histogram_l2 import _exact_units, _prefix_moments
+    from quantobs.solvers.l2_error import exact_errors, prefix_moments
 
     gen = torch.Generator().manual_seed(9)
     for bins, levels in ((48, 4), (300, 16), (2048, 256)):
         counts = torch.rand(1, bins, generator=gen).double() ** 4 * 1000
         counts[0, torch.randint(0, bins, (bins // 3,), generator=gen)] = 0
-        prefix = _prefix_moments(counts)
+        prefix = prefix_moments(counts)
         lo = torch.randint(0, bins - 1, (500,), generator=gen).double()
         hi = lo + 1 + (torch.rand(500, generator=gen) * (bins - lo - 1)).floor()
         lo = lo + torch.rand(500, generator=gen) * 0.5  # off the bin edges too
         got = native.l2_errors(prefix[0], lo, hi, levels)
-        expected = _exact_units(prefix, counts, lo[None], hi[None], levels)[0]
+        expected = exact_errors(prefix, counts, lo[None], hi[None], levels)[0]
         assert got is not None
         assert torch.allclose(got, expected, rtol=1e-12, atol=1e-9)
 
@@ -408,7 +408,7 @@ def test_all_finite_equals_torch() -> None:
 
 @pytest.mark.parametrize("dst_nbins", [256, 128, 16, 3])
 def test_torch_l2_terms_equal_eager_bit_for_bit(dst_nbins: int) -> None:
-    from quantobs.solvers.histogram_l2 import _torch_errors
+    from quantobs.solvers.torch_l2 import torch_l2_errors
 
     gen = torch.Generator().manual_seed(dst_nbins)
     for bins, width in ((2048, 1.3e-3), (256, 7.0), (101, 3.3e-7), (8, 1e4)):
@@ -427,9 +427,9 @@ def test_torch_l2_terms_equal_eager_bit_for_bit(dst_nbins: int) -> None:
         bin_width[0], bin_width[1] = 0.0, 1e-50
         for shared in (True, False):
             h = hist if shared else hist.expand(64, bins) * 1.5
-            got = _torch_errors(h, bin_width, dst_nbins, starts, ends)
+            got = torch_l2_errors(h, bin_width, dst_nbins, starts, ends)
             args = (h, bin_width, dst_nbins, starts, ends)
-            expected = _eager(functools.partial(_torch_errors, *args))
+            expected = _eager(functools.partial(torch_l2_errors, *args))
             torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
             assert float(got[0]) == 0.0
     with pytest.raises(ValueError, match="starts, ends, widths"):

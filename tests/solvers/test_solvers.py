@@ -18,14 +18,10 @@ from quantobs.solvers import (
     l2_search,
     percentile_range,
     torch_l2_search,
-)
-from quantobs.solvers.histogram_l2 import (
-    _Bounds,
-    _certify,
-    _exact_units,
-    _prefix_moments,
     torch_l2_search_batched,
 )
+from quantobs.solvers.l2_bounds import L2Bounds, certify
+from quantobs.solvers.l2_error import exact_errors, prefix_moments
 from quantobs.solvers.mse import shrink_factors
 from quantobs.solvers.percentile import percentile_upper
 from quantobs.stats.histogram import histogram_of
@@ -536,14 +532,14 @@ def test_global_l2_equals_brute_force_on_256_bins(kind: str, backend: str) -> No
 def test_certify_finds_the_optimum_from_a_poor_incumbent(backend: str) -> None:
     counts = _random_histogram("sparse", 64, _gen(22)).reshape(1, -1).double()
     levels = 8
-    prefix = _prefix_moments(counts)
+    prefix = prefix_moments(counts)
     start = torch.tensor([[0.0, 64.0]], dtype=torch.float64)  # the whole range
-    start_error = _exact_units(prefix, counts, start[:, :1], start[:, 1:], levels)[:, 0]
-    best, proven = _certify(prefix, counts, start, start_error.clone(), levels)
+    start_error = exact_errors(prefix, counts, start[:, :1], start[:, 1:], levels)[:, 0]
+    best, proven = certify(prefix, counts, start, start_error.clone(), levels)
     assert bool(proven.all())
     pairs = torch.triu_indices(65, 65, offset=1).double()
-    every = _exact_units(prefix, counts, pairs[:1], pairs[1:], levels)
-    got = _exact_units(prefix, counts, best[:, :1], best[:, 1:], levels)
+    every = exact_errors(prefix, counts, pairs[:1], pairs[1:], levels)
+    got = exact_errors(prefix, counts, best[:, :1], best[:, 1:], levels)
     assert float(got) <= float(every.min()) * (1 + 1e-9) + 1e-12
     assert float(got) < float(start_error)  # the incumbent was improved
 
@@ -555,14 +551,14 @@ def test_certificate_bounds_never_exceed_the_exact_error(
 ) -> None:
     # The certificate is only as sound as its bounds: check them on every pair.
     counts = _random_histogram(kind, 48, _gen(levels)).reshape(1, -1).double()
-    prefix = _prefix_moments(counts)
-    bounds = _Bounds(prefix, counts, levels)
+    prefix = prefix_moments(counts)
+    bounds = L2Bounds(prefix, counts, levels)
     a = torch.arange(49)[:, None]
     b = torch.arange(49)[None, :]
     lower = bounds(0, a, b)
     valid = (b > a).expand(49, 49)
     starts, ends = a.expand(49, 49)[valid].double(), b.expand(49, 49)[valid].double()
-    exact = _exact_units(prefix, counts, starts[None], ends[None], levels)[0]
+    exact = exact_errors(prefix, counts, starts[None], ends[None], levels)[0]
     assert bool((lower[valid] <= exact * (1 + 1e-9) + 1e-9).all())
     # ... and the reach of a given error keeps every pair below it
     limit = exact.quantile(0.2).reshape(1)
@@ -582,11 +578,11 @@ def test_certify_covers_a_2048_bin_normal_histogram() -> None:
         counts, torch.tensor(lo), torch.tensor(width, dtype=torch.float64), 256
     )
     rows = counts[None].double()
-    prefix = _prefix_moments(rows)
+    prefix = prefix_moments(rows)
     best = torch.tensor([[(float(low) - lo) / width, (float(high) - lo) / width]])
     best = best.double().round()
-    error = _exact_units(prefix, rows, best[:, :1], best[:, 1:], 256)[:, 0]
-    certified, proven = _certify(prefix, rows, best, error, 256)
+    error = exact_errors(prefix, rows, best[:, :1], best[:, 1:], 256)[:, 0]
+    certified, proven = certify(prefix, rows, best, error, 256)
     assert bool(proven.all())
     assert torch.equal(certified, best)  # the search's result was the optimum
 
@@ -599,10 +595,10 @@ def test_bound_survivors_native_equal_torch_and_keep_every_better_pair(
     if not native.available():
         pytest.skip("compares the native survivors with the torch rectangle")
     counts = _random_histogram(kind, 48, _gen(levels + 7)).reshape(1, -1).double()
-    prefix = _prefix_moments(counts)
-    bounds = _Bounds(prefix, counts, levels)
+    prefix = prefix_moments(counts)
+    bounds = L2Bounds(prefix, counts, levels)
     pairs = torch.triu_indices(49, 49, offset=1)
-    exact = _exact_units(prefix, counts, pairs[:1].double(), pairs[1:].double(), levels)
+    exact = exact_errors(prefix, counts, pairs[:1].double(), pairs[1:].double(), levels)
     for quantile in (0.01, 0.2, 0.6):
         limit = float(exact.quantile(quantile))
         a_max, b_min = bounds.reach(torch.tensor([limit], dtype=torch.float64))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from quantobs import Observer, QuantizationArgs, flatten_for_calibration, native
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
-from quantobs.solvers.histogram_l2 import torch_l2_search
+from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.histogram import (
     Histogram,
     check_budget,

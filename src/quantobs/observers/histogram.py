@@ -45,13 +45,10 @@ from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.solvers.entropy import entropy_search
-from quantobs.solvers.histogram_l2 import (
-    l2_search,
-    torch_l2_search,
-    torch_l2_search_batched,
-)
+from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.histogram_mse import histogram_mse_search
 from quantobs.solvers.percentile import percentile_range
+from quantobs.solvers.torch_l2 import torch_l2_search, torch_l2_search_batched
 from quantobs.stats.base import Statistic
 from quantobs.stats.histogram import (
     DEFAULT_BINS,

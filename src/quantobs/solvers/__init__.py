@@ -7,8 +7,10 @@ bins) and return one range per qparam, with no Python loop over qparams.
 =================  ============================================================
 module             solver
 =================  ============================================================
-``histogram_l2``   `torch_l2_search` (torch.ao's greedy search, bit for bit) and
-                   `l2_search` (the global minimum of the same L2 error)
+``torch_l2``       `torch_l2_search` (torch.ao's greedy search, bit for bit)
+``global_l2``      `l2_search` (the global minimum of the same L2 error)
+``l2_error``       the closed-form L2 error of any range (`l2_errors`)
+``l2_bounds``      lower bounds on it: the global search's certificate
 ``percentile``     two-sided / one-sided (|x|) percentile ranges
 ``entropy``        TensorRT / ModelOpt KL-divergence calibration
 ``histogram_mse``  expected `|fake_quant(x) - x| ** norm` under the histogram,
@@ -17,18 +19,15 @@ module             solver
 """
 
 from quantobs.solvers.entropy import entropy_search
-from quantobs.solvers.histogram_l2 import (
-    l2_errors,
-    l2_search,
-    torch_l2_search,
-    torch_l2_search_batched,
-)
+from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.histogram_mse import histogram_mse_search
+from quantobs.solvers.l2_error import l2_errors
 from quantobs.solvers.percentile import (
     percentile_lower,
     percentile_range,
     percentile_upper,
 )
+from quantobs.solvers.torch_l2 import torch_l2_search, torch_l2_search_batched
 
 __all__ = [
     "entropy_search",

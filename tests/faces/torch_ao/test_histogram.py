@@ -12,7 +12,7 @@ from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
 from quantobs.faces.torch_ao.histogram import rebin_histogram
-from quantobs.solvers.histogram_l2 import l2_errors
+from quantobs.solvers.l2_error import l2_errors
 
 from .test_observers import (
     SCENARIOS,

@@ -53,7 +53,8 @@ from quantobs.core.qparams.torch_ao import (
     default_qparams,
     symmetric_zero_point,
 )
-from quantobs.solvers.histogram_l2 import l2_search, torch_l2_search
+from quantobs.solvers.global_l2 import l2_search
+from quantobs.solvers.torch_l2 import torch_l2_search
 
 __all__ = [
     "HistogramObserver",
