@@ -3,9 +3,13 @@
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import settings
 
 from quantobs import native
+
+#: Every device this machine has: the CPU, and CUDA where present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Per-example deadlines measure torch's first-call warm-up and the load of a
 # 2-core CI machine, not our code: switch them off.
@@ -23,3 +27,9 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     native.set_enabled(request.param == "native")
     yield request.param
     native.set_enabled(previous)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Run a test on every available device (the CPU; CUDA where present)."""
+    return torch.device(request.param)
