@@ -142,6 +142,9 @@ class TensorRange(ObserverEngine):
             "with nan_policy='omit'"
         )
 
+    def extra_repr(self) -> str:
+        return f"tensor_id={self.tensor_id!r}, statistic={self._statistic.__name__}"
+
     def range(self) -> Range:
         """The running `(min_vals, max_vals)` (the buffers themselves).
 
