@@ -14,7 +14,7 @@ import torch
 import quantobs.faces.quark as ours
 from tests.faces.quark.test_spec import BLOCKS, INT_SPEC, STATEFUL, observer
 
-NAMES = [n for n in [*STATEFUL, *BLOCKS] if n != "PerTensorHistogramObserverPro"]
+NAMES = [*STATEFUL, *BLOCKS]
 
 
 def _kwargs(name: str) -> dict[str, Any]:

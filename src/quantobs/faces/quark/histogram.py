@@ -50,6 +50,7 @@ import torch
 
 from quantobs.core.layout import group_view
 from quantobs.core.qparams.quark import int_qparams
+from quantobs.core.qparams.torch_ao import TorchAORule, torch_quant_range
 from quantobs.core.scoring import score
 from quantobs.faces.quark.base import (
     FLOAT32_EPS,
@@ -57,13 +58,14 @@ from quantobs.faces.quark.base import (
     per_channel_view,
 )
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig, element_format
-from quantobs.faces.torch_ao import HistogramObserver as TorchHistogramObserver  # TODO
 from quantobs.solvers.percentile import percentile_range, percentile_upper
 from quantobs.solvers.quark_histogram import mse_candidates, percentile_bounds
+from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.histogram import Histogram
 from quantobs.stats.quark_histogram import QuarkHistogram
 from quantobs.stats.reduce import minmax_omit_nonfinite
+from quantobs.stats.torch_histogram import TorchHistogram
 
 __all__ = [
     "PerTensorHistogramObserver",
@@ -445,8 +447,10 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
 class PerTensorHistogramObserverPro(UniformScalingObserver):
     """torch.ao's `HistogramObserver` (L2 search) with 256 bins, per tensor.
 
-    Wraps `quantobs.faces.torch_ao.HistogramObserver`, torch's numbers bit for bit
-    (its zero-point rules: 128 for symmetric uint8, int64 / int32 dtypes).
+    torch's histogram (`quantobs.stats.torch_histogram.TorchHistogram`, in the
+    buffers `histogram`, `min_val`, `max_val`), its greedy L2 search
+    (`torch_l2_search`) and its qparams (`TorchAORule`: 128 for symmetric
+    uint8, int64 / int32 zero points): torch's numbers bit for bit.
 
     Args:
         qspec: per_tensor, dtype uint4, int8 or uint8.
@@ -459,12 +463,18 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         ValueError: another qscheme or dtype.
     """
 
+    Statistic = TorchHistogram
+    buffer_names: ClassVar[Mapping[str, str]] = {
+        "histogram": "histogram",
+        **_RANGE_BUFFERS,
+    }
     qschemes = (QSchemeType.per_tensor,)
     _TORCH_DTYPES: ClassVar[dict[Dtype, torch.dtype]] = {
         Dtype.uint4: torch.quint4x2,
         Dtype.int8: torch.qint8,
         Dtype.uint8: torch.quint8,
     }
+    histogram: torch.Tensor
 
     @classmethod
     def check_spec(cls, spec: QTensorConfig) -> None:
@@ -489,33 +499,48 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         upsample_rate: int = 384,
     ) -> None:
         super().__init__(qspec, device, FLOAT32_EPS)
-        torch_qscheme = (
-            torch.per_tensor_symmetric if self.symmetric else torch.per_tensor_affine
-        )
+        self.bins = bins
+        self.reduce_range = reduce_range
         self.upsample_rate = upsample_rate
-        self.histogram = TorchHistogramObserver(
-            bins=bins,
-            dtype=self._TORCH_DTYPES[self.dtype],
-            qscheme=torch_qscheme,
-            quant_min=int(self.quant_min),
-            quant_max=int(self.quant_max),
-            reduce_range=reduce_range,
-            factory_kwargs={"device": device} if device is not None else None,
+        self.register_buffer("histogram", torch.zeros(bins, device=device))
+        torch_dtype = self._TORCH_DTYPES[self.dtype]
+        qmin, qmax = torch_quant_range(
+            torch_dtype, int(self.quant_min), int(self.quant_max), reduce_range
         )
+        symmetric = torch.per_tensor_symmetric if self.symmetric else None
+        self.torch_rule = TorchAORule(
+            dtype=torch_dtype,
+            qscheme=symmetric or torch.per_tensor_affine,
+            quant_min=qmin,
+            quant_max=qmax,
+            eps=FLOAT32_EPS,
+            custom_range=True,
+        )
+        self.dst_nbins = 2 ** torch.iinfo(torch_dtype).bits
+
+    def statistic_config(self) -> dict[str, Any]:
+        return {"bins": self.bins, "owner": type(self).__name__}
+
+    def _read_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        return None if bool(state["min_vals"] == math.inf) else state
+
+    def _initial_statistic(self) -> Statistic:
+        return TorchHistogram.empty((), self.eps.device, bins=self.bins)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Add `x_orig` to torch's histogram; return it unchanged."""
-        return self.histogram(x_orig)
+        if x_orig.numel():
+            x = x_orig.detach()
+            self._observe_view(x.reshape(1, -1), x)
+        return x_orig
 
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's greedy L2 search and qparams, each `(1,)`."""
-        return self.histogram.calculate_qparams()
-
-    def reset_state(self) -> None:
-        """Forget the histogram."""
-        self.reset_min_max_vals()
-
-    def reset_min_max_vals(self) -> None:
-        """Forget the histogram (and the unused range)."""
-        super().reset_min_max_vals()
-        self.histogram.reset_min_max_vals()
+        low, high = self.min_val, self.max_val
+        if self.statistic() is not None:
+            low, high = torch_l2_search(
+                self.histogram.float(), low.float(), high.float(), self.dst_nbins
+            )
+        return self.torch_rule(low, high)  # unobserved: torch's warning, (1, 0)
