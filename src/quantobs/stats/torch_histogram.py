@@ -208,7 +208,7 @@ class TorchHistogram(Statistic):
     needs_values: ClassVar[bool] = True
 
     @classmethod
-    def empty(  # type: ignore[override]  # its config, keyword by keyword
+    def empty(
         cls,
         qparam_shape: tuple[int, ...],
         device: torch.device,

@@ -11,8 +11,8 @@ import torch
 from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
-from quantobs.faces.torch_ao.histogram import rebin_histogram
 from quantobs.solvers.l2_error import l2_errors
+from quantobs.stats.torch_histogram import rebin_histogram
 
 from .test_observers import (
     SCENARIOS,

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
-from quantobs.faces.torch_ao import minmax as minmax_module
+from quantobs.core.layout import channel_view
 from quantobs.core.qparams import torch_ao as ours_qparams
 from quantobs.faces.torch_ao.base import FLOAT32_EPS
-from quantobs.faces.torch_ao.minmax import channel_minmax
+from quantobs.stats import reduce as reduce_module
+from quantobs.stats.reduce import minmax
 
 sym, aff = torch.per_tensor_symmetric, torch.per_tensor_affine
 ch_sym, ch_aff = torch.per_channel_symmetric, torch.per_channel_affine
@@ -235,14 +236,16 @@ def test_channel_minmax_every_layout(
     shape: tuple[int, ...],
     ch_axis: int,
     block_bytes: int,
+    backend: str,
 ) -> None:
-    """Inner, outer (in cache-sized row blocks or whole) and mixed reductions."""
-    monkeypatch.setattr(minmax_module, "_BLOCK_BYTES", block_bytes)
+    """Inner, outer (in cache-sized row blocks or whole) and mixed reductions
+    of the channel view, natively and in torch."""
+    monkeypatch.setattr(reduce_module, "_BLOCK_BYTES", block_bytes)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7))
     others = [d for d in range(x.dim()) if d != ch_axis % x.dim()]
     expect_min = x.amin(others) if others else x
     expect_max = x.amax(others) if others else x
-    got_min, got_max = channel_minmax(x, ch_axis)
+    got_min, got_max = minmax(channel_view(x, ch_axis))
     assert_identical(got_min, expect_min)
     assert_identical(got_max, expect_max)
 
@@ -264,7 +267,7 @@ def test_channel_minmax_non_contiguous(view: str, ch_axis: int) -> None:
         "sliced": lambda: torch.randn(30, 50, generator=g)[::2, 1::3],
     }[view]()
     others = [d for d in range(x.dim()) if d != ch_axis % x.dim()]
-    got_min, got_max = channel_minmax(x, ch_axis)
+    got_min, got_max = minmax(channel_view(x, ch_axis))
     assert_identical(got_min, x.amin(others))
     assert_identical(got_max, x.amax(others))
 

@@ -17,10 +17,21 @@ exception types torch raises (ours also derive from `ValueError`, see
 class registers as a virtual subclass of its torch counterpart, so torch's
 own flows (`prepare` / `convert`, FX, `FakeQuantize`) recognise them.
 
+Every class is a thin adapter over the observer engine
+(`quantobs.observers.engine.ObserverEngine`): the statistic (`MinMax`,
+`MovingAverage`, `TorchHistogram`) lives in torch's registered buffers, so
+it moves with `.to()`, resumes from `state_dict`, survives `copy.deepcopy`
+and `torch.save`; the face keeps only what is torch's own (names,
+signatures, defaults, state-dict layout and versions, exception types, the
+qparams rule). The observers without statistics (fixed qparams,
+placeholder, recording, no-op, input reuse) keep none.
+
 Faster: per-tensor min-max is one `aminmax` pass in the input's dtype (torch
-copies to float32 first); per-channel min-max reduces in place
-(`minmax.channel_minmax`) instead of permute + copy + `aminmax(dim=1)`;
-`HistogramObserver`'s search is vectorized (`torch_l2_search`).
+copies to float32 first); per-channel min-max reduces the channel view
+(`quantobs.core.layout.channel_view`, no copy) with the engine's reductions
+(the native kernel where it applies) instead of permute + copy +
+`aminmax(dim=1)`; `HistogramObserver` counts with a native `histc` twin and
+its search is vectorized (`torch_l2_search`).
 
 Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 
@@ -33,6 +44,9 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 * `HistogramObserver(search="global")` picks the least-L2 range over all
   candidate ranges (not torch's greedy walk), with the real level count;
   `reset_min_max_vals()` works on it.
+* `obs.merge(other)` folds another observer's statistic in (the engine's):
+  exactly for the running min-max observers, by torch's re-binning for the
+  histogram; moving averages keep no count to weight a merge and refuse.
 * No `reduce_range` deprecation warning; `PlaceholderObserver(compute_dtype=)`
   makes the observer dynamic as documented (torch drops the flag).
 * Loading a state dict without metadata keeps its saved `eps` (torch
@@ -45,6 +59,7 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 
 from __future__ import annotations
 
+from quantobs.core.qparams.torch_ao import torch_qparams, torch_quant_range
 from quantobs.faces.torch_ao.base import ObserverBase, UniformQuantizationObserverBase
 from quantobs.faces.torch_ao.defaults import (
     default_affine_fixed_qparams_observer,
@@ -85,7 +100,6 @@ from quantobs.faces.torch_ao.misc import (
     get_observer_state_dict,
     load_observer_state_dict,
 )
-from quantobs.core.qparams.torch_ao import torch_qparams, torch_quant_range
 
 __all__ = [
     "FixedQParamsObserver",

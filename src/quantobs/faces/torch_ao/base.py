@@ -1,10 +1,30 @@
 """Base classes of the torch.ao face and the `with_args` factories.
 
-`ObserverBase` and `UniformQuantizationObserverBase` have torch.ao's
-constructor signatures, attributes (`dtype`, `qscheme`, `quant_min`,
-`quant_max`, `reduce_range`, `has_customized_qrange`, `is_dynamic`) and
-buffers (`eps`), and the state-dict version (3) torch writes, so state dicts
-interchange. Range -> qparams is `quantobs.core.qparams.torch_ao.torch_qparams`.
+`ObserverBase` and `UniformQuantizationObserverBase` are torch.ao's drop-in
+names and derive from the observer engine
+(`quantobs.observers.engine.ObserverEngine`): an observer's statistic lives
+in the registered buffers torch uses (`min_val`, `max_val`, `histogram`), so
+`.to()`, `state_dict()`, `copy.deepcopy` and `torch.save` work as on any
+module, and observing a batch is the engine's (the statistic's scan, the NaN
+policy, the update). What is the face's own:
+
+* torch's constructor signatures, attributes (`dtype`, `qscheme`,
+  `quant_min`, `quant_max`, `reduce_range`, `has_customized_qrange`,
+  `is_dynamic`) and the `eps` buffer;
+* torch's state-dict layout (version 3) and its legacy-version rules, so
+  state dicts interchange with torch's observers both ways: buffers always
+  present, per-tensor ranges 0-dim (`(+inf, -inf)` before data), per-channel
+  ranges `(C,)` (empty `(0,)` before data: "no statistic");
+* range -> qparams by torch's rule (`quantobs.core.qparams.torch_ao`,
+  `TorchAORule`), its `ValueError` raised as the face's
+  `InvalidObserverArgument`; shape and NaN errors in the face's types and
+  words (`quantobs.faces.torch_ao.errors`).
+
+NaN policy (the engine's, two of its three policies)::
+
+    nan_policy   a batch with NaN (min-max observers: or +-inf)
+    raise        ValueError naming the counts (default, beyond torch)
+    propagate    the values reach the statistic (torch.ao's behaviour)
 """
 
 from __future__ import annotations
@@ -12,36 +32,38 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-from quantobs.faces.torch_ao.errors import (
-    InvalidObserverArgument,
-    UnsupportedObserverConfig,
-)
+from quantobs.core.layout import channel_view
 from quantobs.core.qparams.torch_ao import (
     ALLOWED_DTYPES,
     ALLOWED_QSCHEMES,
     PER_TENSOR_QSCHEMES,
-    torch_qparams,
+    TorchAORule,
     torch_quant_range,
 )
+from quantobs.faces.torch_ao.errors import (
+    InvalidObserverArgument,
+    UnsupportedObserverConfig,
+)
+from quantobs.observers.engine import ObserverEngine
+from quantobs.stats.base import Statistic
 
 __all__ = [
     "FLOAT32_EPS",
     "NanPolicy",
     "ObserverBase",
     "UniformQuantizationObserverBase",
-    "check_finite_range",
     "reject_dynamic",
     "require_qscheme",
+    "tensor_view",
 ]
 
 NanPolicy = Literal["raise", "propagate"]
 FLOAT32_EPS = torch.finfo(torch.float32).eps
-_NAN_POLICIES = ("raise", "propagate")
 
 
 class _PartialWrapper:
@@ -104,20 +126,31 @@ def _with_callable_args(
     return _PartialWrapper(functools.partial(cls_or_self)).with_callable_args(**kwargs)
 
 
-class ObserverBase(torch.nn.Module, abc.ABC):
+class ObserverBase(ObserverEngine, abc.ABC):
     """Base of every observer: `forward(x) -> x` records, `calculate_qparams`.
+
+    An `ObserverEngine` (a subclass that keeps a statistic names it in
+    `Statistic`; the others keep none).
 
     Args:
         dtype: the quantized dtype the observer's qparams are meant for.
         is_dynamic: whether the quantize op built from this observer computes
             its qparams at run time (dynamic quantization).
+        nan_policy: the engine's NaN policy (`NanPolicy`; observers without
+            statistics never apply it).
 
     `with_args(**kwargs)` and `with_callable_args(**kwargs)` (class methods)
     return constructors with bound arguments, for `QConfig`.
     """
 
-    def __init__(self, dtype: torch.dtype, is_dynamic: bool = False) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        is_dynamic: bool = False,
+        *,
+        nan_policy: NanPolicy = "propagate",
+    ) -> None:
+        super().__init__(nan_policy=nan_policy)
         self.dtype = dtype
         self.is_dynamic = is_dynamic
 
@@ -158,45 +191,13 @@ def reject_dynamic(owner: str, is_dynamic: bool, hint: str = "") -> None:
         )
 
 
-def _range_is_usable(
-    min_cur: torch.Tensor, max_cur: torch.Tensor, allow_inf: bool
-) -> bool:
-    if min_cur.dim() == 0:  # one range: two Python floats, no kernel launches
-        lo, hi = float(min_cur), float(max_cur)
-        if allow_inf:
-            return not (math.isnan(lo) or math.isnan(hi))
-        return math.isfinite(lo) and math.isfinite(hi)
-    if allow_inf:
-        return not bool(torch.isnan(min_cur).any() | torch.isnan(max_cur).any())
-    # max - min is finite iff both ends are (or, rarely, it overflows: recheck)
-    if bool(torch.isfinite(max_cur - min_cur).all()):
-        return True
-    return bool(torch.isfinite(min_cur).all() & torch.isfinite(max_cur).all())
+def tensor_view(x: torch.Tensor) -> torch.Tensor:
+    """`x` as `(1, numel)`: the canonical layout of one qparam per tensor.
 
-
-def check_finite_range(
-    owner: str,
-    policy: NanPolicy,
-    min_cur: torch.Tensor,
-    max_cur: torch.Tensor,
-    x: torch.Tensor,
-    allow_inf: bool = False,
-) -> None:
-    """Under `nan_policy="raise"`, reject a batch whose range is not finite.
-
-    Only the reduced range is inspected (NaN propagates through min / max);
-    the input is scanned only to count the offending values for the message.
+    A view for a contiguous tensor or a permutation of one (`channel_view`
+    of `x` with a leading channel axis of size 1); a 0-dim `x` is `(1, 1)`.
     """
-    if policy != "raise" or _range_is_usable(min_cur, max_cur, allow_inf):
-        return
-    nans = int(torch.isnan(x).sum())
-    infs = int(torch.isinf(x).sum())
-    kinds = f"{nans} NaN" + ("" if allow_inf else f" and {infs} inf")
-    raise ValueError(
-        f"{owner} got a batch with {kinds} value(s) among {x.numel()}; their "
-        "range gives no usable scale. Clean the input (e.g. torch.nan_to_num), "
-        "or pass nan_policy='propagate' for torch.ao's behaviour."
-    )
+    return channel_view(x[None], 0)[:, 0]  # (1, 1, numel) -> (1, numel)
 
 
 class UniformQuantizationObserverBase(ObserverBase):
@@ -218,17 +219,32 @@ class UniformQuantizationObserverBase(ObserverBase):
         is_dynamic: dynamic quantization marker.
         nan_policy: `"raise"` (default, beyond torch) raises `ValueError` on a
             batch with NaN (min-max observers: or inf) values; `"propagate"`
-            is torch.ao's behaviour.
+            is torch.ao's behaviour (module docstring).
 
     Raises:
         InvalidObserverArgument: unknown qscheme or dtype, invalid custom
             range.
         TypeError: an unknown keyword argument.
+        ValueError: an unknown `nan_policy`.
     """
 
     # torch's observer state-dict version: 3 (eps is a buffer; per-channel
     # buffers are `min_val` / `max_val`; histogram ranges are 0-dim).
     _version = 3
+    # torch's names of the range buffers.
+    buffer_names: ClassVar[Mapping[str, str]] = {
+        "min_vals": "min_val",
+        "max_vals": "max_val",
+    }
+    # float64 ranges of float64 inputs: the face casts them to its buffers'
+    # dtype (torch computes in the buffers' dtype: float64 buffers stay exact).
+    exact_dtype: ClassVar[bool] = True
+    # The statistic's qparam shape before any data: () per tensor (torch's
+    # (+inf, -inf) range), (0,) per channel (torch's empty buffers).
+    _unobserved_shape: ClassVar[tuple[int, ...]] = ()
+    # Whether +-inf inputs are the statistic's to handle (the histogram drops
+    # them) rather than the NaN policy's.
+    _allows_inf: ClassVar[bool] = False
 
     eps: torch.Tensor
 
@@ -251,15 +267,14 @@ class UniformQuantizationObserverBase(ObserverBase):
                 f"{type(self).__name__} got unexpected keyword argument(s) "
                 f"{sorted(kwargs)}; it takes torch.ao's arguments plus nan_policy"
             )
-        if nan_policy not in _NAN_POLICIES:
+        if nan_policy not in get_args(NanPolicy):
             raise ValueError(
-                f"nan_policy={nan_policy!r} is not one of {list(_NAN_POLICIES)}"
+                f"nan_policy={nan_policy!r} is not one of {list(get_args(NanPolicy))}"
             )
         factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
-        super().__init__(dtype=dtype, is_dynamic=is_dynamic)
+        super().__init__(dtype=dtype, is_dynamic=is_dynamic, nan_policy=nan_policy)
         self.qscheme = qscheme
         self.reduce_range = reduce_range
-        self.nan_policy: NanPolicy = nan_policy
         self.register_buffer("eps", torch.tensor([eps], **factory_kwargs))
         if qscheme not in ALLOWED_QSCHEMES:
             raise InvalidObserverArgument(
@@ -291,9 +306,66 @@ class UniformQuantizationObserverBase(ObserverBase):
                 "quant_min/quant_max or an affine qscheme"
             )
 
+    # ------------------------------------------------------------ engine hooks
+
+    def _read_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        # torch's "nothing observed": empty buffers (per channel), or the
+        # initial range (+inf, -inf) (per tensor).
+        if any(value.numel() == 0 for value in state.values()):
+            return None
+        low, high = state.get("min_vals"), state.get("max_vals")
+        initial = (
+            low is not None
+            and high is not None
+            and low.dim() == 0
+            and bool(low == math.inf)
+            and bool(high == -math.inf)
+        )
+        return None if initial else state
+
+    def _write_state(self, field: str, value: torch.Tensor) -> torch.Tensor:
+        # A buffer keeps its dtype (the factory dtype, or one set by `.to()`),
+        # as torch copies into it.
+        current = self._buffers.get(self._buffer_name(field))
+        if current is None or current.dtype == value.dtype:
+            return value
+        return value.to(current.dtype)
+
+    def _may_drop(self, name: str) -> bool:
+        return False  # torch's observers always have their buffers
+
+    def _initial_statistic(self) -> Statistic | None:
+        if self.statistic_type() is None:
+            return None
+        return self._new_statistic(self._unobserved_shape, self._device_marker.device)
+
+    def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
+        nans = int(torch.isnan(x_flat).sum())
+        kinds = f"{nans} NaN"
+        if not self._allows_inf:
+            kinds += f" and {int(torch.isinf(x_flat).sum())} inf"
+        return ValueError(
+            f"{type(self).__name__} got a batch with {kinds} value(s) among "
+            f"{x_flat.numel()}; their range gives no usable scale. Clean the "
+            "input (e.g. torch.nan_to_num), or pass nan_policy='propagate' for "
+            "torch.ao's behaviour."
+        )
+
+    def _check_merge(self, other: ObserverEngine) -> None:
+        for what in ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis", "bins"):
+            if getattr(self, what, None) != getattr(other, what, None):
+                raise ValueError(
+                    f"cannot merge {type(self).__name__}s with different {what} "
+                    f"({getattr(self, what)} and {getattr(other, what)})"
+                )
+
+    # ------------------------------------------------------------- state dicts
+
     def _load_from_state_dict(
         self,
-        state_dict: dict[str, Any],
+        state_dict: Mapping[str, Any],
         prefix: str,
         local_metadata: dict[str, Any],
         strict: bool,
@@ -304,7 +376,7 @@ class UniformQuantizationObserverBase(ObserverBase):
         # Version 1 state dicts predate the eps buffer: use torch's default.
         version = local_metadata.get("version")
         if (version is None or version == 1) and prefix + "eps" not in state_dict:
-            state_dict[prefix + "eps"] = torch.tensor([FLOAT32_EPS])
+            state_dict[prefix + "eps"] = torch.tensor([FLOAT32_EPS])  # type: ignore[index]
         super()._load_from_state_dict(
             state_dict,
             prefix,
@@ -315,25 +387,38 @@ class UniformQuantizationObserverBase(ObserverBase):
             error_msgs,
         )
 
+    # ----------------------------------------------------------------- qparams
+
+    @property
+    def qparams_rule(self) -> TorchAORule:
+        """torch.ao's rule with this observer's current settings."""
+        return TorchAORule(
+            dtype=self.dtype,
+            qscheme=self.qscheme,
+            quant_min=self.quant_min,
+            quant_max=self.quant_max,
+            eps=self.eps,
+            custom_range=self.has_customized_qrange,
+        )
+
     def _calculate_qparams(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point of the range `[min_val, max_val]` (per tensor
         or per channel) under this observer's dtype, qscheme and range."""
         try:
-            return torch_qparams(
-                min_val,
-                max_val,
-                dtype=self.dtype,
-                qscheme=self.qscheme,
-                quant_min=self.quant_min,
-                quant_max=self.quant_max,
-                eps=self.eps,
-                custom_range=self.has_customized_qrange,
-            )
+            return self.qparams_rule(min_val, max_val)
         except ValueError as error:  # torch asserts: the face's own type
             raise InvalidObserverArgument(str(error)) from None
 
     def reset_min_max_vals(self) -> None:
-        """Forget the observed range (not supported by every observer)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot reset its statistics")
+        """Forget the observed statistic (back to the state before any data).
+
+        Raises:
+            NotImplementedError: an observer that keeps no statistic.
+        """
+        if self.statistic_type() is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} keeps no statistic to reset"
+            )
+        self.reset()

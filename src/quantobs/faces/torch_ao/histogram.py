@@ -1,31 +1,30 @@
 """torch.ao's `HistogramObserver`: its histogram update rule and its greedy L2
 search bit for bit, with an option for a global (non-greedy) search.
 
-The histogram state is torch's (`histogram`: float32 counts over `bins` equal
-bins spanning `[min_val, max_val]`) and so is its update, step for step:
+The statistic is `quantobs.stats.torch_histogram.TorchHistogram`, kept in
+torch's buffers (`histogram`: float32 counts over `bins` equal bins spanning
+`[min_val, max_val]`), and so is torch's update, step for step:
 
 * first batch: `torch.histc` over the batch's own range;
 * later batches: `torch.histc` over the union range; if the range grew, the
   old counts are spread uniformly over 16 sub-bins each and re-binned into
-  the new range by sub-bin midpoint (`rebin_histogram`);
+  the new range by sub-bin midpoint;
 * `+-inf` values are dropped with a warning.
 
-`torch.histc` runs as its native twin (`quantobs.native.histc`: the same
-float32 bin selection, counted exactly, so the same float32 counts; about 3x
-faster) wherever that is exact, and as `torch.histc` itself elsewhere.
-
-So the numbers equal torch's, including its quirks, reproduced on purpose:
-counts are float32, `torch.histc` counts bf16 / fp16 inputs in their own
-dtype (a bin stops growing at 256 per thread in bf16), and a constant batch
-is counted over `[c - 1, c + 1]` while the range stays `[c, c]`.
+`torch.histc` runs as its native twin on CPU float32 (the same float32 bin
+selection, counted exactly, so the same float32 counts; about 3x faster) and
+as `torch.histc` itself elsewhere (`quantobs.stats.torch_histogram.histc`).
+Counts, quirks included, are torch's: float32, bf16 / fp16 inputs counted in
+their own dtype, a constant batch counted over `[c - 1, c + 1]` while the
+range stays `[c, c]`.
 
 Search (`search=`)::
 
     "torch"   torch's greedy walk (trims 1e-5 of the mass per step, stops at
               the first step whose L2 error grows), bit for bit, vectorized:
-              `quantobs.solvers.histogram_l2.torch_l2_search`
+              `quantobs.solvers.torch_l2.torch_l2_search`
     "global"  the range of least L2 error over all candidate ranges, not a
-              greedy walk (`quantobs.solvers.histogram_l2.l2_search`), with
+              greedy walk (`quantobs.solvers.global_l2.l2_search`), with
               the level count of the real quantized range (torch always
               assumes 2**bits levels) and, for symmetric qschemes, scored with
               the symmetric quantizer the qparams will have
@@ -34,108 +33,33 @@ Search (`search=`)::
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Literal
 
 import torch
 
-from quantobs import native
-from quantobs.faces.torch_ao.base import (
-    FLOAT32_EPS,
-    UniformQuantizationObserverBase,
-    check_finite_range,
-    reject_dynamic,
-    require_qscheme,
-)
 from quantobs.core.qparams.torch_ao import (
     PER_TENSOR_QSCHEMES,
     SYMMETRIC_QSCHEMES,
     default_qparams,
+    range_is_observed,
     symmetric_zero_point,
 )
+from quantobs.faces.torch_ao.base import (
+    FLOAT32_EPS,
+    UniformQuantizationObserverBase,
+    reject_dynamic,
+    require_qscheme,
+    tensor_view,
+)
+from quantobs.faces.torch_ao.errors import InvalidObserverArgument
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.torch_l2 import torch_l2_search
+from quantobs.stats.torch_histogram import UPSAMPLE_RATE, TorchHistogram
 
-__all__ = [
-    "HistogramObserver",
-    "HistogramSearch",
-    "merge_histograms",
-    "rebin_histogram",
-]
+__all__ = ["HistogramObserver", "HistogramSearch"]
 
 HistogramSearch = Literal["torch", "global"]
 _SEARCHES = ("torch", "global")
-_UPSAMPLE_RATE = 16  # torch's sub-bins per bin when re-binning
-
-
-def rebin_histogram(
-    histogram: torch.Tensor,
-    old_min: torch.Tensor,
-    old_max: torch.Tensor,
-    new_min: torch.Tensor,
-    new_max: torch.Tensor,
-    upsample_rate: int = _UPSAMPLE_RATE,
-) -> torch.Tensor:
-    """Counts over `[old_min, old_max]` moved to `bins` bins over the wider
-    `[new_min, new_max]`, as torch.ao re-bins them.
-
-    Each bin is split into `upsample_rate` sub-bins of equal count; a sub-bin
-    goes whole to the new bin that holds its midpoint.
-
-    Args:
-        histogram: `(bins,)` counts.
-        old_min: 0-dim left edge of the counts.
-        old_max: 0-dim right edge.
-        new_min: 0-dim left edge of the result (`<= old_min`).
-        new_max: 0-dim right edge (`>= old_max`).
-        upsample_rate: sub-bins per bin.
-
-    Returns:
-        `(bins,)` counts over the new range (same total).
-    """
-    bins = histogram.numel()
-    fine = bins * upsample_rate
-    sub_counts = histogram.repeat_interleave(upsample_rate) / upsample_rate
-    sub_width = (old_max - old_min) / fine
-    # torch builds the midpoints from linspace edges: same ops, same floats.
-    edges = torch.linspace(old_min, old_max, fine + 1, device=old_min.device)
-    midpoints = edges[:-1].to(histogram.device) + 0.5 * sub_width
-    new_edges = torch.linspace(new_min, new_max, bins + 1, device=new_min.device)
-    target = torch.bucketize(midpoints, new_edges.to(histogram.device), right=True) - 1
-    target = target.clamp_(0, bins - 1)  # float rounding at the two ends
-    return torch.bincount(target, weights=sub_counts, minlength=bins)
-
-
-def merge_histograms(
-    old_hist: torch.Tensor,
-    old_min: torch.Tensor,
-    old_max: torch.Tensor,
-    new_hist: torch.Tensor,
-    new_min: torch.Tensor,
-    new_max: torch.Tensor,
-    upsample_rate: int = _UPSAMPLE_RATE,
-) -> torch.Tensor:
-    """torch.ao's merge of old counts into a batch histogram over the union
-    range `[new_min, new_max]` (which contains `[old_min, old_max]`)."""
-    if bool(new_min == old_min) and bool(new_max == old_max):
-        return old_hist + new_hist
-    bins = old_hist.numel()
-    if bool(old_min == old_max):
-        # All old values were one number: histc puts it in its bin.
-        at_value = torch.histc(old_min, bins=bins, min=new_min, max=new_max)  # type: ignore[arg-type]
-        return at_value * torch.sum(old_hist) + new_hist
-    moved = rebin_histogram(old_hist, old_min, old_max, new_min, new_max, upsample_rate)
-    return new_hist + moved
-
-
-def _histc(
-    x: torch.Tensor, bins: int, lo: torch.Tensor, hi: torch.Tensor
-) -> torch.Tensor:
-    """`torch.histc(x, bins, min=lo, max=hi)`: the native kernel's exact
-    counts where it applies (float32; same bins, same numbers), else torch."""
-    low, high = float(lo), float(hi)
-    counts = native.histc(x, bins, low, high)
-    return torch.histc(x, bins, min=low, max=high) if counts is None else counts
 
 
 class HistogramObserver(UniformQuantizationObserverBase):
@@ -161,6 +85,9 @@ class HistogramObserver(UniformQuantizationObserverBase):
         TypeError: a non-integer dtype (float8).
         ValueError: an unknown `search`, or `bins` below 1.
     """
+
+    Statistic = TorchHistogram
+    _allows_inf = True  # the statistic drops them (with torch's warning)
 
     histogram: torch.Tensor
     min_val: torch.Tensor
@@ -203,8 +130,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
         self.bins = bins
         self.search: HistogramSearch = search
         self.register_buffer("histogram", torch.zeros(bins, **factory_kwargs))
-        self.register_buffer("min_val", torch.tensor(float("inf"), **factory_kwargs))
-        self.register_buffer("max_val", torch.tensor(float("-inf"), **factory_kwargs))
+        self.register_buffer("min_val", torch.tensor(math.inf, **factory_kwargs))
+        self.register_buffer("max_val", torch.tensor(-math.inf, **factory_kwargs))
         try:
             self.dst_nbins = 2 ** torch.iinfo(dtype).bits
         except TypeError:
@@ -212,69 +139,43 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 f"{owner} needs an integer dtype (its search counts 2**bits "
                 f"levels), got {dtype}; use MinMaxObserver for float8"
             ) from None
-        self.upsample_rate = _UPSAMPLE_RATE
+        self.upsample_rate = UPSAMPLE_RATE
 
-    def _store(
-        self, histogram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-    ) -> None:
-        self.histogram.detach_().resize_(histogram.shape).copy_(histogram)
-        self.min_val.detach_().resize_(lo.shape).copy_(lo)
-        self.max_val.detach_().resize_(hi.shape).copy_(hi)
+    def statistic_config(self) -> dict[str, Any]:
+        return {
+            "bins": self.bins,
+            "dtype": self.histogram.dtype,
+            "upsample_rate": self.upsample_rate,
+            "owner": type(self).__name__,
+        }
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        """Add `x_orig`'s values to the histogram; return it unchanged."""
+        """Add `x_orig`'s values to the histogram; return it unchanged.
+
+        Raises:
+            ValueError: NaN values under `nan_policy="raise"`.
+            RuntimeError: NaN values under `"propagate"` (torch's histc error).
+        """
         if x_orig.numel() == 0:
             return x_orig
-        x = x_orig.detach()
-        x_min, x_max = torch.aminmax(x)
-        check_finite_range(
-            type(self).__name__, self.nan_policy, x_min, x_max, x, allow_inf=True
-        )
-        if bool(x_min == -math.inf) or bool(x_max == math.inf):
-            warnings.warn(
-                f"{type(self).__name__}: +-inf values in the input are ignored "
-                "(they would make the range infinite)",
-                UserWarning,
-                stacklevel=2,
-            )
-            x = x[x.abs() != math.inf]
-            if x.numel() == 0:
-                return x_orig
-            x_min, x_max = torch.aminmax(x)
-
-        if bool(self.min_val == math.inf) or bool(self.max_val == -math.inf):
-            batch = _histc(x, self.bins, x_min, x_max)
-            self._store(batch, x_min, x_max)
-            return x_orig
-        old_min, old_max = self.min_val, self.max_val
-        new_min = torch.min(old_min, x_min).detach()
-        new_max = torch.max(old_max, x_max).detach()
-        batch = _histc(x, self.bins, new_min, new_max)
-        merged = merge_histograms(
-            self.histogram,
-            old_min,
-            old_max,
-            batch.to(self.histogram.device),
-            new_min,
-            new_max,
-            self.upsample_rate,
-        )
-        self._store(merged, new_min, new_max)
+        self._observe(tensor_view(x_orig.detach()))  # (1, numel)
         return x_orig
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        """`(scale, zero_point)` of the searched range, each of shape `(1,)`."""
-        if bool(self.min_val == math.inf) and bool(self.max_val == -math.inf):
-            warnings.warn(
-                "calculate_qparams() was called before the observer saw any "
-                "data; returning the default scale 1.0 and zero point 0. Run "
-                "calibration batches through the observer first.",
-                UserWarning,
-                stacklevel=2,
-            )
+        """`(scale, zero_point)` of the searched range, each of shape `(1,)`.
+
+        Raises:
+            InvalidObserverArgument: a histogram of other than `bins` bins
+                (a loaded state), or a range with `min_val > max_val`.
+        """
+        try:
+            observed = range_is_observed(self.min_val, self.max_val)
+        except ValueError as error:
+            raise InvalidObserverArgument(str(error)) from None
+        if not observed:  # warned
             return default_qparams(self.min_val.device)
         if self.histogram.numel() != self.bins:
-            raise ValueError(
+            raise InvalidObserverArgument(
                 f"the histogram has {self.histogram.numel()} bins but the "
                 f"observer was built with bins={self.bins}; build it with "
                 "the bins of the loaded state"
@@ -310,7 +211,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
 
     def _load_from_state_dict(
         self,
-        state_dict: dict[str, Any],
+        state_dict: Any,
         prefix: str,
         local_metadata: dict[str, Any],
         strict: bool,
@@ -319,15 +220,13 @@ class HistogramObserver(UniformQuantizationObserverBase):
         error_msgs: list[str],
     ) -> None:
         version = local_metadata.get("version")
-        for name, empty in (("min_val", math.inf), ("max_val", -math.inf)):
-            key = prefix + name
-            saved = state_dict.get(key)
-            if not isinstance(saved, torch.Tensor):
-                continue
-            if (version is None or version < 3) and saved.shape == (0,):
-                # Before version 3 an unobserved range was an empty tensor.
-                saved = state_dict[key] = torch.tensor(empty)
-            getattr(self, name).resize_(saved.shape)
+        if version is None or version < 3:
+            # Before version 3 an unobserved range was an empty tensor.
+            for name, empty in (("min_val", math.inf), ("max_val", -math.inf)):
+                saved = state_dict.get(prefix + name)
+                if isinstance(saved, torch.Tensor) and saved.shape == (0,):
+                    state_dict[prefix + name] = torch.tensor(empty)
+        # The buffers take the saved shapes (the engine's load).
         super()._load_from_state_dict(
             state_dict,
             prefix,
@@ -340,9 +239,3 @@ class HistogramObserver(UniformQuantizationObserverBase):
 
     def extra_repr(self) -> str:
         return f"min_val={self.min_val}, max_val={self.max_val}"
-
-    def reset_min_max_vals(self) -> None:
-        """Forget everything observed (beyond torch, which cannot reset)."""
-        self.histogram.zero_()
-        self.min_val.fill_(math.inf)
-        self.max_val.fill_(-math.inf)

@@ -1,5 +1,9 @@
 """torch.ao's observers that compute nothing: fixed qparams, placeholders,
-recording, no-op and input reuse; and the observer state-dict helpers."""
+recording, no-op and input reuse; and the observer state-dict helpers.
+
+They are engine observers that keep no statistic (`Statistic` is None):
+`.to()`, `state_dict`, `copy.deepcopy` and `torch.save` cover what they
+hold (the fixed qparams' buffers, the recorded tensors)."""
 
 from __future__ import annotations
 
