@@ -307,7 +307,8 @@ def channel_view(x: torch.Tensor, axis: int) -> torch.Tensor:
         )
     axis = normalize_axis(axis, x.ndim)
     if not x.is_contiguous():
-        order = sorted(range(x.ndim), key=lambda d: -x.stride(d))
+        strides = x.stride()
+        order = sorted(range(x.ndim), key=lambda d: -strides[d])
         in_memory_order = x.permute(order)
         if in_memory_order.is_contiguous():
             x, axis = in_memory_order, order.index(axis)

@@ -126,10 +126,9 @@ class Statistic(ABC):
 
     @classmethod
     @abstractmethod
-    def empty(
-        cls: type[S], qparam_shape: tuple[int, ...], device: torch.device, **config: Any
-    ) -> S:
-        """The statistic of no data (the identity of `merge`)."""
+    def empty(cls: type[S], qparam_shape: tuple[int, ...], device: torch.device) -> S:
+        """The statistic of no data (the identity of `merge`); subclasses take
+        their config as keyword arguments."""
 
     @abstractmethod
     def update(self: S, batch: Batch) -> S:

@@ -60,10 +60,10 @@ def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
 
 
 @kernel
-def _finite(t: torch.Tensor) -> bool:
+def _finite(x: torch.Tensor) -> bool:
     """Whether every element is finite: NaN and +-inf propagate into
     `aminmax`, so only its two ends are tested."""
-    return not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+    return not x.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
 
 
 _finite.register("cpu", native.all_finite)
@@ -221,8 +221,8 @@ def calculate_qparams(
     if pow2 is not None and not args.is_mx:
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
     scale_dtype = None if args.is_mx else args.scale_dtype
-    gscale = None if global_scale is None else global_scale.to(work)
-    scale = _finish_scale(scale, gscale, scale_dtype, out_dtype)
+    global_work = None if global_scale is None else global_scale.to(work)
+    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype)
     return _with_zero_point(scale, zero_point, args)
 
 
