@@ -50,7 +50,7 @@ from quantobs.faces.torch_ao.errors import (
     UnsupportedObserverConfig,
 )
 from quantobs.observers.engine import ObserverEngine
-from quantobs.stats.base import Statistic
+from quantobs.stats.base import Batch, Statistic
 
 __all__ = [
     "FLOAT32_EPS",
@@ -197,6 +197,8 @@ def tensor_view(x: torch.Tensor) -> torch.Tensor:
     A view for a contiguous tensor or a permutation of one (`channel_view`
     of `x` with a leading channel axis of size 1); a 0-dim `x` is `(1, 1)`.
     """
+    if x.is_contiguous():
+        return x.view(1, -1)  # (1, numel)
     return channel_view(x[None], 0)[:, 0]  # (1, 1, numel) -> (1, numel)
 
 
@@ -320,8 +322,8 @@ class UniformQuantizationObserverBase(ObserverBase):
             low is not None
             and high is not None
             and low.dim() == 0
-            and bool(low == math.inf)
-            and bool(high == -math.inf)
+            and float(low) == math.inf
+            and float(high) == -math.inf
         )
         return None if initial else state
 
@@ -340,6 +342,20 @@ class UniformQuantizationObserverBase(ObserverBase):
         if self.statistic_type() is None:
             return None
         return self._new_statistic(self._unobserved_shape, self._device_marker.device)
+
+    def _apply_nan_policy(
+        self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
+    ) -> Batch:
+        # Workaround: the engine checks a range with `all_finite`, whose
+        # native pass opens a thread team even for one qparam (~10 us; ms on
+        # a loaded machine), more than a per-tensor batch of 1M values costs
+        # to reduce. A per-tensor range is two floats: checked here. It can go
+        # when `all_finite` checks tiny tensors without the kernel.
+        if self.nan_policy == "raise" and batch.min_vals.dim() == 0:
+            low, high = float(batch.min_vals), float(batch.max_vals)
+            if math.isfinite(low) and math.isfinite(high):
+                return batch
+        return super()._apply_nan_policy(stat, batch, values)
 
     def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
         nans = int(torch.isnan(x_flat).sum())
