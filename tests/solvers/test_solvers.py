@@ -20,10 +20,11 @@ from quantobs.solvers import (
     torch_l2_search,
     torch_l2_search_batched,
 )
-from quantobs.solvers.l2_bounds import L2Bounds, certify
-from quantobs.solvers.l2_error import exact_errors, prefix_moments
+from quantobs.solvers.l2_bounds import L2Bounds, bound_survivors, certify
+from quantobs.solvers.l2_error import exact_errors, prefix_moments, row_errors
 from quantobs.solvers.mse import shrink_factors
 from quantobs.solvers.percentile import percentile_upper
+from quantobs.solvers.torch_l2 import torch_l2_terms
 from quantobs.stats.histogram import histogram_of
 
 
@@ -615,3 +616,36 @@ def test_bound_survivors_native_equal_torch_and_keep_every_better_pair(
         below = exact[0] < limit
         assert {(int(a), int(b)) for a, b in pairs.T[below]} <= kept
     assert bounds.survivors(0, 48, 1, math.inf, 10) is None  # over the cap
+
+
+def test_l2_kernels_pair_torch_with_native_on_cpu() -> None:
+    """Each former `native.x(...) or torch twin` call site is one kernel: a
+    torch implementation with the native one registered for "cpu", both
+    giving the same numbers (the over-cap answer included)."""
+    for pair in (torch_l2_terms, row_errors, bound_survivors):
+        assert pair.native("cpu") is not None
+    if not native.available():
+        pytest.skip("compares the native kernels with their torch implementations")
+    counts = _random_histogram("sparse", 64, _gen(40)).reshape(1, -1).double()
+    prefix = prefix_moments(counts)
+    lo = torch.arange(0, 60, dtype=torch.float64)
+    hi = lo + 4.5
+    native_errors = row_errors.native("cpu")(prefix[0], lo, hi, 16)
+    assert native_errors is not None
+    torch.testing.assert_close(
+        native_errors, row_errors.torch(prefix[0], lo, hi, 16), rtol=1e-12, atol=1e-9
+    )
+    bounds = L2Bounds(prefix, counts, 16)
+    tables = (bounds.at[:, 0], bounds.start[:, 0, 0], bounds.total[:, 0, 0])
+    for cap in (1 << 12, 3):  # room for every survivor; over the cap
+        args = (*tables, bounds.jumps[0], 16, 40, 10, math.inf, cap)
+        found = bound_survivors.native("cpu")(*args)
+        assert found is not None
+        expected = bound_survivors.torch(*args)
+        assert found[1] == expected[1] and torch.equal(found[0], expected[0])
+    hist = counts.float()
+    starts, ends = torch.tensor([0, 3, 10]), torch.tensor([63, 40, 12])
+    width = torch.full((3,), 0.01, dtype=torch.float64)
+    terms = torch_l2_terms.native("cpu")(hist, starts, ends, width, 256)
+    assert terms is not None
+    assert torch.equal(terms, torch_l2_terms.torch(hist, starts, ends, width, 256))

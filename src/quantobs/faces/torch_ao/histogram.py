@@ -166,13 +166,11 @@ class HistogramObserver(UniformQuantizationObserverBase):
 
         Raises:
             InvalidObserverArgument: a histogram of other than `bins` bins
-                (a loaded state), or a range with `min_val > max_val`.
+                (a loaded state), or a searched range that torch's rule
+                rejects.
         """
-        try:
-            observed = range_is_observed(self.min_val, self.max_val)
-        except ValueError as error:
-            raise InvalidObserverArgument(str(error)) from None
-        if not observed:  # warned
+        if float(self.min_val) == math.inf and float(self.max_val) == -math.inf:
+            range_is_observed(self.min_val, self.max_val)  # warns, as torch does
             return default_qparams(self.min_val.device)
         if self.histogram.numel() != self.bins:
             raise InvalidObserverArgument(
