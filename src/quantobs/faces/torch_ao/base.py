@@ -347,10 +347,9 @@ class UniformQuantizationObserverBase(ObserverBase):
         self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
     ) -> Batch:
         # Workaround: the engine checks a range with `all_finite`, whose
-        # native pass opens a thread team even for one qparam (~10 us; ms on
-        # a loaded machine), more than a per-tensor batch of 1M values costs
-        # to reduce. A per-tensor range is two floats: checked here. It can go
-        # when `all_finite` checks tiny tensors without the kernel.
+        # native pass opens a thread team even for one qparam (~10 us a call,
+        # ms on a loaded machine). A per-tensor range is two floats: checked
+        # here. It can go when `all_finite` checks tiny tensors in Python.
         if self.nan_policy == "raise" and batch.min_vals.dim() == 0:
             low, high = float(batch.min_vals), float(batch.max_vals)
             if math.isfinite(low) and math.isfinite(high):
