@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from quantobs import native
 from quantobs.stats.base import Batch, Field, Reduce, Statistic
+from quantobs.stats.binning import bin_counts
 from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
 
 if TYPE_CHECKING:
@@ -69,7 +69,6 @@ __all__ = [
     "DEFAULT_MAX_COUNTS",
     "MIN_BINS",
     "Histogram",
-    "bin_counts",
     "check_budget",
     "empty_histogram",
     "grid_range",
@@ -86,10 +85,6 @@ DEFAULT_MAX_COUNTS = 1 << 26
 MIN_BINS = 8
 _MIN_EXPONENT = -126  # 2**-e stays a normal float32 multiplier
 _CELL_BITS = 61  # |x| / 2**e < 2**62: exact int64 cell numbers
-# Elements binned per step: one float32 and one int32 workspace of this size.
-_CHUNK_ELEMS = 1 << 18
-# Largest dense bincount output per step (qparams x bins), 2 MiB of int64.
-_CHUNK_COUNTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -337,110 +332,6 @@ def rebin(hist: Histogram, exponent: torch.Tensor, offset: torch.Tensor) -> Hist
         exponent=exponent,
         offset=offset,
     )
-
-
-def _chunks(n: int, q: int, g: int, stride: int) -> list[tuple[slice, slice, slice]]:
-    """Blocks of the `(n, q, g)` layout of at most `_CHUNK_ELEMS` elements.
-
-    Each block also keeps its dense `bincount` output (qparams x stride) under
-    `_CHUNK_COUNTS`. Blocks run along the slowest dim that fits.
-    """
-    q_step = max(1, min(q, _CHUNK_COUNTS // stride, _CHUNK_ELEMS // max(1, g)))
-    if q_step == q and q * g <= _CHUNK_ELEMS:
-        n_step = max(1, _CHUNK_ELEMS // max(1, q * g))
-        return [
-            (slice(n0, min(n, n0 + n_step)), slice(0, q), slice(0, g))
-            for n0 in range(0, n, n_step)
-        ]
-    g_step = g if g <= _CHUNK_ELEMS else _CHUNK_ELEMS
-    return [
-        (
-            slice(n0, n0 + 1),
-            slice(q0, min(q, q0 + q_step)),
-            slice(g0, min(g, g0 + g_step)),
-        )
-        for n0 in range(n)
-        for q0 in range(0, q, q_step)
-        for g0 in range(0, g, g_step)
-    ]
-
-
-def bin_counts(
-    x_flat: torch.Tensor,
-    exponent: torch.Tensor,
-    offset: torch.Tensor,
-    out: torch.Tensor,
-    absolute: bool,
-    has_nonfinite: bool,
-) -> None:
-    """Add the counts of `x_flat` on the given grids to `out` `(Q, bins)` int64.
-
-    NaN entries (non-finite values under `nan_policy="omit"`) are counted in
-    a trash bin that is dropped. Each block is scaled, floored and shifted in
-    one float32 workspace (exact: see the module docstring), converted to
-    int32 and counted by one `bincount` over `qparam * stride + bin`.
-    """
-    n, g = x_flat.shape[0], x_flat.shape[-1]
-    x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
-    q = x3.shape[1]
-    bins = out.shape[-1]
-    device = x_flat.device
-    inv = torch.ldexp(torch.ones(q, dtype=torch.float64, device=device), -exponent)
-    inv = inv.to(torch.float32).reshape(1, q, 1)  # exact powers of two
-    off = offset.reshape(1, q, 1).to(torch.float32)  # exact: a float32 floor
-    fast = x3.dtype != torch.float64 and x3.device.type == "cpu" and native.available()
-    if fast and native.add_counts(
-        x3.to(torch.float32).contiguous(), inv.reshape(q), off.reshape(q), out, absolute
-    ):
-        return  # the same binning in one native pass (NaN skipped)
-    stride = bins + 1 if has_nonfinite else bins  # bin `bins`: the trash
-    blocks = _chunks(n, q, g, stride)
-    size = max(
-        (b[0].stop - b[0].start) * (b[1].stop - b[1].start) * (b[2].stop - b[2].start)
-        for b in blocks
-    )
-    work = torch.empty(size, dtype=torch.float32, device=device)
-    index = torch.empty(size, dtype=torch.int32, device=device)
-    q_base = torch.arange(q, dtype=torch.int32, device=device).reshape(1, q, 1) * stride
-    convert = x_flat.dtype == torch.float64  # bin float32 roundings, as min/max do
-    # The only index outside [0, bins) comes from the underflow exception of
-    # the module docstring (cell 0 instead of -1), and only when cell 0 lies
-    # outside the window; clamp (one more pass) only then.
-    clamp = has_nonfinite or not bool(
-        ((offset <= 0) & (offset + bins > 0) | (offset >= 0)).all()
-    )
-    one = q == 1  # one qparam: Python scalars, and the counts summed once
-    scale: torch.Tensor | float = float(inv) if one else inv
-    shift: torch.Tensor | float = float(off) if one else off
-    found_all = []
-    for ns, qs, gs in blocks:
-        block = x3[ns, qs, gs]
-        shape = block.shape
-        buf = work[: block.numel()].view(shape)
-        block_scale = scale if one else inv[:, qs]
-        if convert:
-            buf.copy_(block).mul_(block_scale)
-        else:
-            torch.mul(block, block_scale, out=buf)
-        if absolute:
-            buf.abs_()
-        buf.floor_().sub_(shift if one else off[:, qs])
-        if clamp:
-            buf.clamp_(0, bins - 1)
-        if has_nonfinite:
-            buf.nan_to_num_(nan=float(bins))
-        idx = index[: block.numel()].view(shape)
-        idx.copy_(buf)
-        num_q = shape[1]
-        if num_q > 1:
-            idx.add_(q_base[:, :num_q])  # qparam (within the block) * stride
-        found = torch.bincount(idx.reshape(-1), minlength=num_q * stride)
-        if one:
-            found_all.append(found)
-        else:
-            out[qs] += found.view(num_q, stride)[:, :bins]
-    if found_all:
-        out += torch.stack(found_all).sum(dim=0)[:bins]
 
 
 def widen(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:

@@ -19,13 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from quantobs import native
-from quantobs.stats.histogram import (
-    Histogram,
-    bin_counts,
-    grid_range,
-    histogram_grid,
-    widen,
-)
+from quantobs.stats.binning import bin_counts
+from quantobs.stats.histogram import Histogram, grid_range, histogram_grid, widen
 
 __all__ = ["Speculation", "speculate"]
 

@@ -86,10 +86,10 @@ from __future__ import annotations
 from quantobs.faces.quark.base import ObserverBase, UniformScalingObserver
 from quantobs.faces.quark.histogram import (
     PerTensorHistogramObserver,
-    PerTensorHistogramObserverPro,
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
 )
+from quantobs.faces.quark.histogram_pro import PerTensorHistogramObserverPro
 from quantobs.faces.quark.minmax import (
     PerChannelMinMaxObserver,
     PerGroupMinMaxObserver,
