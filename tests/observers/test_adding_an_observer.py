@@ -100,7 +100,7 @@ class SigmaOptions(ObserverOptions):
 class SigmaObserver(Observer):
     """Range `mean +- k * std` per qparam, within the observed min / max."""
 
-    Statistic = Moments
+    statistic_cls = Moments
     Options = SigmaOptions
     options: SigmaOptions
 

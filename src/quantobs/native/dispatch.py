@@ -11,8 +11,10 @@ runs. A CUDA tensor always finds a correct path (the torch one), and a GPU
 kernel is one more registration::
 
     @kernel
-    def channel_minmax(x3: Tensor) -> tuple[Tensor, Tensor]:
-        ...  # torch ops: the reference, any device
+    def channel_minmax(
+        x3: Tensor,
+    ) -> tuple[Tensor, Tensor]: ...  # torch ops: the reference, any device
+
 
     channel_minmax.register("cpu", native.minmax)  # returns None to decline
 

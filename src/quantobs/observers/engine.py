@@ -61,7 +61,7 @@ class ObserverEngine(torch.nn.Module):
     """
 
     #: The statistic kept (`statistic_type()` may choose per instance).
-    Statistic: ClassVar[type[Statistic] | None] = None
+    statistic_cls: ClassVar[type[Statistic] | None] = None
     #: Statistic field -> buffer name, where a face keeps its peer's names.
     buffer_names: ClassVar[Mapping[str, str]] = {}
     #: Keep float64 statistics for float64 inputs (faces computing in the
@@ -88,7 +88,7 @@ class ObserverEngine(torch.nn.Module):
 
     def statistic_type(self) -> type[Statistic] | None:
         """The statistic this observer keeps (default: the class's `Statistic`)."""
-        return self.Statistic
+        return self.statistic_cls
 
     def statistic_config(self) -> dict[str, Any]:
         """Settings of the statistic (its `empty` / `from_state` config)."""

@@ -146,7 +146,7 @@ class HistogramStatObserver(Observer):
     it into a range (`_solve`).
     """
 
-    Statistic = Histogram
+    statistic_cls = Histogram
     Options: ClassVar[type[ObserverOptions]] = HistogramOptions
     options: HistogramOptions
 

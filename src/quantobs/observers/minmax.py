@@ -44,7 +44,7 @@ class MovingAverageOptions(ObserverOptions):
 class MemorylessMinMaxObserver(Observer):
     """Min/max of the latest batch only (weights, dynamic activations)."""
 
-    Statistic = LatestRange
+    statistic_cls = LatestRange
 
     def statistic_config(self) -> dict[str, Any]:
         return {"track_absmax": self._tracks_global()}
@@ -54,7 +54,7 @@ class MemorylessMinMaxObserver(Observer):
 class StaticMinMaxObserver(Observer):
     """Min/max over every batch; merges exactly across batches and processes."""
 
-    Statistic = MinMax
+    statistic_cls = MinMax
 
     def statistic_config(self) -> dict[str, Any]:
         return {"track_absmax": self._tracks_global()}
@@ -64,7 +64,7 @@ class StaticMinMaxObserver(Observer):
 class MinMaxObserver(Observer):
     """Moving average of per-batch min/max: `avg += c * (batch - avg)`."""
 
-    Statistic = MovingAverage
+    statistic_cls = MovingAverage
     Options = MovingAverageOptions
     options: MovingAverageOptions
 

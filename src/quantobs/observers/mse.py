@@ -119,7 +119,7 @@ class _SearchingObserver(Observer):
 class MemorylessMSEObserver(_SearchingObserver):
     """MSE range of the latest batch only."""
 
-    Statistic = LatestRange
+    statistic_cls = LatestRange
     Options = MSEOptions
 
     def statistic_config(self) -> dict[str, Any]:
@@ -130,7 +130,7 @@ class MemorylessMSEObserver(_SearchingObserver):
 class MovingAverageMSEObserver(_SearchingObserver):
     """Moving average of per-batch MSE ranges (llm-compressor's `mse`)."""
 
-    Statistic = MovingAverage
+    statistic_cls = MovingAverage
     Options = MovingAverageMSEOptions
     options: MovingAverageMSEOptions
 
@@ -142,7 +142,7 @@ class MovingAverageMSEObserver(_SearchingObserver):
 class StaticMSEObserver(Observer):
     """Range minimizing the error summed over every batch (exact merge)."""
 
-    Statistic = CandidateErrors
+    statistic_cls = CandidateErrors
     Options = StaticMSEOptions
     options: StaticMSEOptions
 

@@ -250,7 +250,7 @@ class UniformScalingObserver(ObserverBase):
         quant_max: largest quantized value (e.g. 127).
     """
 
-    Statistic = MinMax
+    statistic_cls: ClassVar[type[Statistic] | None] = MinMax
     buffer_names: ClassVar[Mapping[str, str]] = {
         "min_vals": "min_val",
         "max_vals": "max_val",

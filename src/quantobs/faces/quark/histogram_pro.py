@@ -44,7 +44,7 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         ValueError: another qscheme or dtype.
     """
 
-    Statistic = TorchHistogram
+    statistic_cls = TorchHistogram
     buffer_names: ClassVar[Mapping[str, str]] = {
         "histogram": "histogram",
         "min_vals": "min_val",

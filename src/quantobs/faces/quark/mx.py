@@ -127,7 +127,7 @@ class PerBlockMXObserver(_BlockObserver):
             `scale_format`.
     """
 
-    Statistic = AbsMax
+    statistic_cls = AbsMax
 
     @classmethod
     def check_spec(cls, spec: QTensorConfig) -> None:
@@ -177,7 +177,7 @@ class PerBlockBFPObserver(_BlockObserver):
     NaN and inf inputs count as 0 (Quark's rule for this observer).
     """
 
-    Statistic = BfpAbsMax
+    statistic_cls = BfpAbsMax
 
     @classmethod
     def check_spec(cls, spec: QTensorConfig) -> None:

@@ -86,7 +86,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
         ValueError: an unknown `search`, or `bins` below 1.
     """
 
-    Statistic = TorchHistogram
+    statistic_cls = TorchHistogram
     _allows_inf = True  # the statistic drops them (with torch's warning)
 
     histogram: torch.Tensor

@@ -37,8 +37,7 @@ from quantobs.faces.torch_ao.base import (
     tensor_view,
 )
 from quantobs.faces.torch_ao.errors import ObserverShapeError
-from quantobs.stats.base import Batch
-from quantobs.stats.base import Statistic as AnyStatistic
+from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.minmax import MinMax, MovingAverage
 
 __all__ = [
@@ -53,7 +52,7 @@ class _RangeObserver(UniformQuantizationObserverBase):
     """What the four min-max observers share: the range buffers, the batch
     as the engine observes it, the statistic's settings and the qparams."""
 
-    Statistic: ClassVar[type[AnyStatistic] | None] = MinMax
+    statistic_cls: ClassVar[type[Statistic] | None] = MinMax
 
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -201,7 +200,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             averaging constant other than 1.
     """
 
-    Statistic = MovingAverage
+    statistic_cls = MovingAverage
 
     def __init__(
         self,
@@ -357,7 +356,7 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         **kwargs: `factory_kwargs`, `nan_policy`.
     """
 
-    Statistic = MovingAverage
+    statistic_cls = MovingAverage
 
     def __init__(
         self,
