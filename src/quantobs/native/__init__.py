@@ -21,8 +21,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,11 +38,10 @@ __all__ = [
     "entropy",
     "histc",
     "histogram_pass",
-    "known_absmax",
-    "known_finite",
     "l2_errors",
     "l2_survivors",
     "minmax",
+    "minmax_absmax",
     "mse_errors",
     "mse_supported",
     "pow24",
@@ -59,8 +56,16 @@ _MIN_GROUP = 8  # shortest group the min/max and MSE kernels take
 _LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
 _EXACT_QUOTIENT = 1 << 28  # torch_l2_terms: bins * dst_nbins below this
 _SERIAL_ELEMS = 1 << 13  # torch_l2_terms runs this much work on one thread
+# Below this many values a kernel runs on one thread: waking the others costs
+# more than it saves (~10 us idle, milliseconds on a loaded machine).
+_PARALLEL_MIN = 1 << 15
 
 _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
+
+
+def _threads(work: int) -> int:
+    """Threads for `work` values: torch's count, or one for small work."""
+    return torch.get_num_threads() if work >= _PARALLEL_MIN else 1
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -113,10 +118,11 @@ def _usable(x: torch.Tensor) -> bool:
     )
 
 
-def minmax(
-    x3: torch.Tensor, shape: tuple[int, ...] | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(N, Q, G)` float32 -> `(Q,)` (or `shape`) min and max over N and G, or None.
+def minmax_absmax(
+    x3: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
+    """`(N, Q, G)` float32 -> `(Q,)` min and max over N and G, and the largest
+    `|value|` when every value was finite (else None); or None (not run).
 
     Equal to `torch.amin` / `torch.amax` over dims `(0, 2)` (NaN propagates).
     Groups shorter than 8 values stay with torch, which vectorizes across
@@ -135,57 +141,22 @@ def minmax(
         mins.data_ptr(),
         maxs.data_ptr(),
         ctypes.byref(absmax),
-        torch.get_num_threads(),
+        _threads(x3.numel()),
     )
+    return mins, maxs, absmax.value if finite else None
+
+
+def minmax(
+    x3: torch.Tensor, shape: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`minmax_absmax` without the absmax, as `(Q,)` (or `shape`) tensors."""
+    found = minmax_absmax(x3)
+    if found is None:
+        return None
+    mins, maxs, _ = found
     if shape is not None:
         mins, maxs = mins.reshape(shape), maxs.reshape(shape)
-    if finite:
-        _remember(mins, maxs, absmax.value)
     return mins, maxs
-
-
-# What qo_minmax learned for free about the ranges it returned (every value
-# finite, the largest |value|), by id with weak references to the range
-# tensors (an entry leaves with its tensor), valid while neither is modified
-# in place (torch's version counters, shared by views).
-_Facts = tuple[
-    "weakref.ref[torch.Tensor]", int, "weakref.ref[torch.Tensor]", int, float
-]
-_FACTS: dict[int, _Facts] = {}
-
-
-def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
-    def forget(_: weakref.ref[torch.Tensor]) -> None:
-        _FACTS.pop(key, None)
-
-    return forget
-
-
-def _remember(mins: torch.Tensor, maxs: torch.Tensor, absmax: float) -> None:
-    for t, other in ((mins, maxs), (maxs, mins)):
-        key = id(t)
-        ref = weakref.ref(t, _forget(key))
-        _FACTS[key] = (ref, t._version, weakref.ref(other), other._version, absmax)
-
-
-def _facts(t: torch.Tensor) -> _Facts | None:
-    facts = _FACTS.get(id(t))
-    if facts is None or facts[0]() is not t or facts[1] != t._version:
-        return None
-    return facts
-
-
-def known_finite(t: torch.Tensor) -> bool:
-    """Whether `t` is a range `minmax` returned, unmodified, of finite values."""
-    return _facts(t) is not None
-
-
-def known_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None:
-    """`max(-min, max, 0)` of a range pair `minmax` returned unmodified, or None."""
-    facts = _facts(min_vals)
-    if facts is None or facts[2]() is not max_vals or facts[3] != max_vals._version:
-        return None
-    return facts[4]
 
 
 def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
@@ -193,14 +164,11 @@ def _ranges_usable(min_vals: torch.Tensor, max_vals: torch.Tensor) -> bool:
 
 
 def all_finite(x: torch.Tensor) -> bool | None:
-    """Whether every value of a float32 tensor is finite, or None (not run)."""
-    if known_finite(x):
-        return True
-    if not _usable(x):
+    """Whether every value of a float32 tensor is finite, or None (not run:
+    small tensors too, where torch's one reduction is cheaper than a call)."""
+    if x.numel() < _PARALLEL_MIN or not _usable(x):
         return None
-    return bool(
-        _loaded().qo_all_finite(x.data_ptr(), x.numel(), torch.get_num_threads())
-    )
+    return bool(_loaded().qo_all_finite(x.data_ptr(), x.numel(), _threads(x.numel())))
 
 
 def symmetric_scales(
@@ -234,7 +202,7 @@ def symmetric_scales(
         eps,
         empty_as_zero,
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(min_vals.numel()),
     )
     return None if bad else out
 
@@ -244,9 +212,6 @@ def range_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None
 
     None where the kernels do not apply or a non-empty range is not finite.
     """
-    known = known_absmax(min_vals, max_vals)
-    if known is not None:
-        return known
     if not _ranges_usable(min_vals, max_vals):
         return None
     out = ctypes.c_float()
@@ -255,7 +220,7 @@ def range_absmax(min_vals: torch.Tensor, max_vals: torch.Tensor) -> float | None
         max_vals.data_ptr(),
         min_vals.numel(),
         ctypes.byref(out),
-        torch.get_num_threads(),
+        _threads(min_vals.numel()),
     )
     return None if bad else out.value
 
@@ -305,7 +270,7 @@ def add_counts(
         counts.shape[-1],
         int(absolute),
         counts.data_ptr(),
-        torch.get_num_threads(),
+        _threads(x3.numel()),
     )
     return True
 
@@ -387,7 +352,7 @@ def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor | No
         hi32,
         bins,
         counts.data_ptr(),
-        torch.get_num_threads(),
+        _threads(values.numel()),
     )
     if int(counts.max()) >= _EXACT_FLOAT_COUNT:
         return None
@@ -465,7 +430,7 @@ def l2_errors(
         lo_u.numel(),
         levels,
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(lo_u.numel() * levels),
     )
     return out
 
@@ -543,7 +508,7 @@ def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor |
         levels,
         int(total) + 1 if integral else 0,
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(num_q * cands.numel() * levels),
     )
     return None if bool(torch.isnan(out).any()) else out  # NaN: out of memory
 
@@ -604,7 +569,7 @@ def mse_errors(
         emin,
         norm,
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(x3.numel() * c),
     )
     return out
 

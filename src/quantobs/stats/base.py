@@ -32,6 +32,7 @@ exact integers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -181,7 +182,7 @@ class Statistic(ABC):
         Raises:
             KeyError: a required field is missing from `state`.
         """
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = _field_names(cls)
         config = {k: v for k, v in config.items() if k in names}
         values: dict[str, Any] = {}
         for f in cls.fields:
@@ -207,6 +208,12 @@ class Statistic(ABC):
     def replace(self: S, **changes: Any) -> S:
         """A copy with some fields replaced."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    """The dataclass fields of a statistic class (state and config)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def reduce_states(

@@ -86,12 +86,7 @@ def _minmax3(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float | None
 def _minmax3_native(
     x3: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
-    found = native.minmax(x3)
-    if found is None:
-        return None
-    low, high = found
-    finite = native.known_finite(low)
-    return low, high, native.known_absmax(low, high) if finite else None
+    return native.minmax_absmax(x3)
 
 
 _minmax3.register("cpu", _minmax3_native)

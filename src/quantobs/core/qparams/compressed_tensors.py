@@ -20,6 +20,7 @@ mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,6 +51,7 @@ __all__ = [
     "storage_to_scale",
 ]
 
+_SMALL = 1 << 12  # elements checked by one elementwise test
 _E8M0_MAX_BIASED = E8M0_MAX_EXP + E8M0_BIAS  # 254; 255 is NaN in float8_e8m0fnu
 
 
@@ -61,9 +63,14 @@ def calculate_range(args: QuantizationArgs) -> tuple[float, float]:
 
 @kernel
 def _finite(x: torch.Tensor) -> bool:
-    """Whether every element is finite: NaN and +-inf propagate into
-    `aminmax`, so only its two ends are tested."""
-    return not x.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+    """Whether every element is finite: one value is read as a float; large
+    tensors by `aminmax` (NaN and +-inf propagate into it, so only its two
+    ends are tested, without an elementwise temporary)."""
+    if x.numel() <= 1:
+        return not x.numel() or math.isfinite(float(x))
+    if x.numel() <= _SMALL:
+        return bool(torch.isfinite(x).all())
+    return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
 
 
 _finite.register("cpu", native.all_finite)
