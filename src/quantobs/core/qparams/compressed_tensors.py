@@ -79,7 +79,9 @@ _finite.register("cpu", native.all_finite)
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of every tensor is finite (one small reduction
     per tensor; float32 ones in one native pass where the kernels are built)."""
-    return all(_finite(t) for t in tensors)
+    return all(
+        math.isfinite(float(t)) if t.numel() == 1 else _finite(t) for t in tensors
+    )
 
 
 def range_or_zero(

@@ -50,7 +50,7 @@ from quantobs.faces.torch_ao.errors import (
     UnsupportedObserverConfig,
 )
 from quantobs.observers.engine import ObserverEngine
-from quantobs.stats.base import Batch, Statistic
+from quantobs.stats.base import Statistic
 
 __all__ = [
     "FLOAT32_EPS",
@@ -342,19 +342,6 @@ class UniformQuantizationObserverBase(ObserverBase):
         if self.statistic_type() is None:
             return None
         return self._new_statistic(self._unobserved_shape, self._device_marker.device)
-
-    def _apply_nan_policy(
-        self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
-    ) -> Batch:
-        # Workaround: the engine checks a range with `all_finite`, whose
-        # native pass opens a thread team even for one qparam (~10 us a call,
-        # ms on a loaded machine). A per-tensor range is two floats: checked
-        # here. It can go when `all_finite` checks tiny tensors in Python.
-        if self.nan_policy == "raise" and batch.min_vals.dim() == 0:
-            low, high = float(batch.min_vals), float(batch.max_vals)
-            if math.isfinite(low) and math.isfinite(high):
-                return batch
-        return super()._apply_nan_policy(stat, batch, values)
 
     def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
         nans = int(torch.isnan(x_flat).sum())
