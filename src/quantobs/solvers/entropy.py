@@ -39,6 +39,7 @@ import math
 import torch
 
 from quantobs import native
+from quantobs.native.dispatch import kernel
 
 __all__ = ["entropy_search"]
 
@@ -118,6 +119,32 @@ def _divergences(
     return torch.where(impossible, math.inf, kl)
 
 
+@kernel
+def _candidate_divergences(
+    h: torch.Tensor, cands: torch.Tensor, levels: int, c_step: int
+) -> torch.Tensor:
+    """`(Q, C)` KL divergences of clip bins `cands` for histograms `h`
+    `(Q, B)`: in torch, candidates in chunks of `c_step`; natively (CPU) all
+    at once."""
+    prefixes = _prefixes(h)
+    return torch.cat(
+        [
+            _divergences(h, prefixes, cands[c0 : c0 + c_step], levels)
+            for c0 in range(0, cands.numel(), c_step)
+        ],
+        dim=1,
+    )
+
+
+def _candidate_divergences_native(
+    h: torch.Tensor, cands: torch.Tensor, levels: int, c_step: int
+) -> torch.Tensor | None:
+    return native.entropy(h, cands, levels)
+
+
+_candidate_divergences.register("cpu", _candidate_divergences_native)
+
+
 def entropy_search(
     counts: torch.Tensor,
     width: torch.Tensor,
@@ -186,18 +213,7 @@ def entropy_search(
             mine = cands[cands <= stop[rows].max()]
             if mine.numel() == 0:
                 continue
-            sub = h[rows]
-            # natively every candidate at once, eagerly in bounded chunks
-            kl = native.entropy(sub, mine, int(count))
-            if kl is None:
-                prefixes = _prefixes(sub)
-                kl = torch.cat(
-                    [
-                        _divergences(sub, prefixes, mine[c0 : c0 + c_step], int(count))
-                        for c0 in range(0, mine.numel(), c_step)
-                    ],
-                    dim=1,
-                )
+            kl = _candidate_divergences(h[rows], mine, int(count), c_step)
             kl = torch.where(mine[None, :] <= stop[rows, None], kl, math.inf)
             # Last minimum: search the reversed candidates for the first one.
             least, rev = kl.flip(1).min(dim=1)

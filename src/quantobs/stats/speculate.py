@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from quantobs import native
+from quantobs.native.dispatch import kernel
 from quantobs.stats.binning import bin_counts
 from quantobs.stats.histogram import Histogram, grid_range, histogram_grid, widen
 
@@ -109,6 +110,21 @@ def _guess_grid(
     )
 
 
+@kernel
+def _histogram_pass(
+    x: torch.Tensor, inv: float, offset: float, bins: int, absolute: bool, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Min/max and counts on a known grid in one pass (`native.histogram_pass`).
+
+    Only a native kernel does it in one pass; torch's answer is None: the
+    caller counts in two passes (the same counts).
+    """
+    return None
+
+
+_histogram_pass.register("cpu", native.histogram_pass)
+
+
 def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
     """Count a per-tensor batch on a known grid while finding its min/max.
 
@@ -123,7 +139,7 @@ def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
     """
     if math.prod(hist.qparam_shape) != 1 or x_flat.dtype != torch.float32:
         return None
-    if x_flat.numel() < _SPECULATION_MIN_ELEMS or not native.available():
+    if x_flat.numel() < _SPECULATION_MIN_ELEMS:
         return None
     values = x_flat.reshape(-1)
     grid = _guess_grid(hist, values)
@@ -132,7 +148,7 @@ def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
     exponent, offset = grid
     threads = max(1, torch.get_num_threads())
     cap = max(1 << 12, values.numel() // threads >> 7)
-    found = native.histogram_pass(
+    found = _histogram_pass(
         values,
         2.0 ** -int(exponent.reshape(-1)[0]),
         float(offset.reshape(-1)[0]),
