@@ -7,7 +7,10 @@ arithmetic is one named, pure rule, configured once and called as
     rule                   arithmetic of                      module
     CompressedTensorsRule  compressed-tensors / llm-compressor  compressed_tensors
     TorchAORule            torch.ao.quantization.observer     torch_ao
-    QuarkRule              AMD Quark                          quark
+    QuarkRule              AMD Quark (int, FP8, FP4 / FP6 with  quark
+                           float32, e4m3 or e8m0 scales)
+    QuarkPow2Rule          AMD Quark's power-of-two observers   quark
+                           (its ONNX tools' candidate)
 
 `range_to_qparams(min_vals, max_vals, rule)` is the one entry point;
 `calculate_qparams(min_vals, max_vals, args)` is compressed-tensors' own
@@ -34,6 +37,7 @@ from quantobs.core.qparams.compressed_tensors import (
     storage_to_scale,
 )
 from quantobs.core.qparams.pow2 import Pow2Rounding, pow2_exponent
+from quantobs.core.qparams.quark import QuarkPow2Rule, QuarkRule
 from quantobs.core.qparams.torch_ao import TorchAORule
 
 __all__ = [
@@ -41,6 +45,8 @@ __all__ = [
     "CompressedTensorsRule",
     "Pow2Rounding",
     "QParamsRule",
+    "QuarkPow2Rule",
+    "QuarkRule",
     "TorchAORule",
     "all_finite",
     "amax_to_global_scale",
@@ -70,7 +76,8 @@ class QParamsRule(Protocol):
 
 
 QPARAMS_RULES: dict[str, type] = {
-    rule.name: rule for rule in (CompressedTensorsRule, TorchAORule)
+    rule.name: rule
+    for rule in (CompressedTensorsRule, TorchAORule, QuarkRule, QuarkPow2Rule)
 }
 
 
