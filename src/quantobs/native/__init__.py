@@ -368,7 +368,7 @@ def torch_l2_terms(
 ) -> torch.Tensor | None:
     """The `(P, bins)` float32 terms of torch.ao's histogram L2 error, or None.
 
-    `histogram_l2._torch_errors`' arithmetic (torch's
+    `solvers.torch_l2.torch_l2_errors`' arithmetic (torch's
     `_compute_quantization_error` before its sum) for P proposals: `(P,)`
     start and end bins and float64 source bin widths; `histogram` is
     `(P, bins)` or `(1, bins)` float32. None also where a destination width
@@ -411,7 +411,7 @@ def l2_errors(
     """Exact L2 errors of ranges `[lo_u, hi_u]` `(K,)` over one histogram.
 
     `table`: its `(bins, 4)` float64 `_prefix_moments` rows. The same
-    arithmetic as `histogram_l2._exact_units` (the level sums in order);
+    arithmetic as `solvers.l2_error.exact_errors` (the level sums in order);
     None where the kernels are not available.
     """
     if table.device.type != "cpu" or not available():
@@ -447,7 +447,7 @@ def l2_survivors(
     limit: float,
     cap: int,
 ) -> torch.Tensor | None:
-    """Bin-edge ranges left in the running by `histogram_l2._Bounds`.
+    """Bin-edge ranges left in the running by `solvers.l2_bounds.L2Bounds`.
 
     For one histogram of `bins` bins: `at` `(3, bins + 1)` moments at each
     edge, `start` and `total` `(3,)` the moments at 0 and at `bins`, `jumps`
