@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["Registry", "coerce_enum", "validate_options"]
+__all__ = ["Registered", "Registry", "coerce_enum", "validate_options"]
 
 T = TypeVar("T", bound=type)
 M = TypeVar("M", bound=BaseModel)
@@ -106,6 +106,42 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
             )
         return found
+
+
+C = TypeVar("C", bound=type)
+
+
+class Registered:
+    """Class methods of a family of classes registered by name, backed by the
+    family's `registry` (compressed-tensors' `RegistryMixin` API)."""
+
+    registry: ClassVar[Registry[Any]]
+
+    @classmethod
+    def register(
+        cls, name: str, alias: str | list[str] | None = None
+    ) -> Callable[[C], C]:
+        """Class decorator: register a class under `name` (and aliases)."""
+        return cls.registry.register(name, alias)
+
+    @classmethod
+    def registered_names(cls) -> list[str]:
+        """Every registered name and alias."""
+        return cls.registry.names()
+
+    @classmethod
+    def get_value_from_registry(cls, name: str) -> Any:
+        """The class registered as `name` (case, `-` and `_` are ignored).
+
+        Raises:
+            KeyError: no class has that name; the message lists them all.
+        """
+        return cls.registry.get(name)
+
+    @classmethod
+    def load_from_registry(cls, name: str, **constructor_kwargs: Any) -> Any:
+        """Construct the class registered as `name` with `constructor_kwargs`."""
+        return cls.get_value_from_registry(name)(**constructor_kwargs)
 
 
 def validate_options(options: type[M], owner: str, *sources: Mapping[str, Any]) -> M:

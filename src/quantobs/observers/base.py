@@ -17,8 +17,7 @@ engine's own: `update`, `get_range`, `get_qparams`, `reset`, `merge`,
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -30,7 +29,7 @@ from quantobs.core.layout import (
     num_observations_of,
 )
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
-from quantobs.core.registry import Registry, validate_options
+from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.reduce import (
@@ -43,7 +42,6 @@ from quantobs.stats.reduce import (
 
 __all__ = ["Observer", "ObserverOptions"]
 
-_O = TypeVar("_O", bound="type[Observer]")
 _STATE_VERSION = 2
 
 
@@ -60,10 +58,7 @@ class ObserverOptions(BaseModel):
     nan_policy: NanPolicy = "raise"
 
 
-_REGISTRY: Registry[Any] = Registry("observer")
-
-
-class Observer(ObserverEngine):
+class Observer(ObserverEngine, Registered):
     """Base observer: watches values and turns them into scale / zero point.
 
     Args:
@@ -80,6 +75,7 @@ class Observer(ObserverEngine):
     """
 
     Options: ClassVar[type[ObserverOptions]] = ObserverOptions
+    registry: ClassVar[Registry[Any]] = Registry("observer")
     name: ClassVar[str] = "observer"
 
     def __init__(
@@ -109,29 +105,11 @@ class Observer(ObserverEngine):
         self.num_observations = 0
         self.num_observed_tokens: int | None = None
 
-    # ------------------------------------------------------------ registry
-
-    @classmethod
-    def register(
-        cls, name: str, alias: str | list[str] | None = None
-    ) -> Callable[[_O], _O]:
-        """Class decorator: register an observer under `name` (and aliases)."""
-        return _REGISTRY.register(name, alias)
-
-    @classmethod
-    def registered_names(cls) -> list[str]:
-        """Every registered name and alias."""
-        return _REGISTRY.names()
-
     @classmethod
     def get_class(cls, name: str) -> type[Observer]:
         """The observer class of a name; case, `-` and `_` are ignored."""
-        return _REGISTRY.get(name)
-
-    @classmethod
-    def load_from_registry(cls, name: str, **kwargs: Any) -> Observer:
-        """Construct the observer registered as `name` with `kwargs`."""
-        return cls.get_class(name)(**kwargs)
+        found: type[Observer] = cls.get_value_from_registry(name)
+        return found
 
     # ----------------------------------------------------- subclass hooks
 

@@ -8,8 +8,8 @@ ranges of `RangeObserver` live in its per-`tensor_id` children.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Hashable, Iterable
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import flatten_for_calibration, normalize_axis
 from quantobs.core.qparams import CompressedTensorsRule
-from quantobs.core.registry import Registry, validate_options
+from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
 
 __all__ = ["GROUPS_ID", "Observer", "ObserverOptions", "QParams", "check_observed"]
@@ -27,7 +27,6 @@ GROUPS_ID = "__groups__"
 
 _SUPPORTED = ("tensor", "channel", "group", "tensor_group", "token")
 _STATE_VERSION = 1
-_O = TypeVar("_O", bound="type[Observer]")
 QParams = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -84,10 +83,7 @@ def normalize_dim(dim: Any, ndim: int, what: str) -> int:
     return normalize_axis(dim, ndim, what)
 
 
-_REGISTRY: Registry[Any] = Registry("observer")
-
-
-class Observer(ObserverEngine):
+class Observer(ObserverEngine, Registered):
     """Base legacy observer: caches the latest `(scale, zero_point)`.
 
     Subclasses implement `calculate_qparams`; `get_qparams` dispatches on the
@@ -107,6 +103,7 @@ class Observer(ObserverEngine):
     """
 
     Options: ClassVar[type[ObserverOptions]] = ObserverOptions
+    registry: ClassVar[Registry[Any]] = Registry("observer")
     name: ClassVar[str] = "observer"
 
     _scale: torch.Tensor | None
@@ -132,37 +129,6 @@ class Observer(ObserverEngine):
         self.register_buffer("_scale", None, persistent=False)
         self.register_buffer("_zero_point", None, persistent=False)
         self._num_observed_tokens: int | None = None
-
-    # ------------------------------------------------------------ registry
-
-    @classmethod
-    def register(
-        cls, name: str, alias: str | list[str] | None = None
-    ) -> Callable[[_O], _O]:
-        """Class decorator: register an observer under `name` (and aliases)."""
-        return _REGISTRY.register(name, alias)
-
-    @classmethod
-    def registered_names(cls) -> list[str]:
-        """Every registered name and alias."""
-        return _REGISTRY.names()
-
-    @classmethod
-    def get_value_from_registry(cls, name: str) -> type[Observer]:
-        """The observer class registered as `name` (case, `-`, `_` ignored).
-
-        Raises:
-            KeyError: no observer has that name; the message lists them all.
-        """
-        return _REGISTRY.get(name)
-
-    @classmethod
-    def load_from_registry(cls, name: str, **constructor_kwargs: Any) -> Observer:
-        """Construct the observer registered as `name` with `constructor_kwargs`.
-
-        Example: `Observer.load_from_registry("minmax", quantization_args=args)`.
-        """
-        return cls.get_value_from_registry(name)(**constructor_kwargs)
 
     # ---------------------------------------------------------- legacy API
 
