@@ -132,16 +132,11 @@ class MinMax(Statistic):
 
 
 @dataclass(frozen=True)
-class LatestRange(Statistic):
+class LatestRange(MinMax):
     """The latest batch's range (memoryless observers; dynamic quantization).
 
     Attributes: as `MinMax`'s, each the latest batch's.
     """
-
-    min_vals: torch.Tensor
-    max_vals: torch.Tensor
-    absmax: torch.Tensor | None = None
-    track_absmax: bool = False
 
     fields: ClassVar[tuple[Field, ...]] = (
         Field("min_vals", Reduce.LATEST),
@@ -150,31 +145,12 @@ class LatestRange(Statistic):
     )
     exact: ClassVar[bool] = False
 
-    @classmethod
-    def empty(
-        cls,
-        qparam_shape: tuple[int, ...],
-        device: torch.device,
-        *,
-        track_absmax: bool = False,
-        dtype: torch.dtype = torch.float32,
-    ) -> LatestRange:
-        """No data: `(+inf, -inf)` everywhere."""
-        low, high = _empty_range(qparam_shape, device, dtype)
-        absmax = torch.zeros(1, device=device) if track_absmax else None
-        return cls(low, high, absmax, track_absmax)
-
-    @property
-    def qparam_shape(self) -> tuple[int, ...]:
-        return tuple(self.min_vals.shape)
-
     def update(self, batch: Batch) -> LatestRange:
         absmax = _batch_absmax(batch) if self.track_absmax else None
         return LatestRange(batch.min_vals, batch.max_vals, absmax, self.track_absmax)
 
-    def merge(self, other: LatestRange) -> LatestRange:
-        # Nothing accumulates: the merged statistic is the later one.
-        return other
+    def merge(self, other: MinMax) -> MinMax:
+        return other  # nothing accumulates: the later statistic wins
 
 
 def lerp(old: torch.Tensor, new: torch.Tensor, weight: float) -> torch.Tensor:
@@ -317,35 +293,18 @@ class AbsMax(Statistic):
 
 
 @dataclass(frozen=True)
-class LatestAbsMax(Statistic):
+class LatestAbsMax(AbsMax):
     """The latest batch's `|value|` maximum per qparam.
 
     Attributes:
         amax: `(*Q,)` absolute maxima of the latest batch.
     """
 
-    amax: torch.Tensor
-
     fields: ClassVar[tuple[Field, ...]] = (Field("amax", Reduce.LATEST),)
     exact: ClassVar[bool] = False
-
-    @classmethod
-    def empty(
-        cls,
-        qparam_shape: tuple[int, ...],
-        device: torch.device,
-        *,
-        dtype: torch.dtype = torch.float32,
-    ) -> LatestAbsMax:
-        """No data: zeros."""
-        return cls(torch.zeros(qparam_shape, dtype=dtype, device=device))
-
-    @property
-    def qparam_shape(self) -> tuple[int, ...]:
-        return tuple(self.amax.shape)
 
     def update(self, batch: Batch) -> LatestAbsMax:
         return LatestAbsMax(torch.maximum(-batch.min_vals, batch.max_vals))
 
-    def merge(self, other: LatestAbsMax) -> LatestAbsMax:
-        return other
+    def merge(self, other: AbsMax) -> AbsMax:
+        return other  # nothing accumulates: the later statistic wins
