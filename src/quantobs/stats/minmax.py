@@ -149,8 +149,13 @@ class LatestRange(MinMax):
         absmax = _batch_absmax(batch) if self.track_absmax else None
         return LatestRange(batch.min_vals, batch.max_vals, absmax, self.track_absmax)
 
-    def merge(self, other: MinMax) -> MinMax:
-        return other  # nothing accumulates: the later statistic wins
+    def merge(self, other: MinMax) -> LatestRange:
+        # Nothing accumulates: the later statistic wins.
+        if isinstance(other, LatestRange):
+            return other
+        return LatestRange(
+            other.min_vals, other.max_vals, other.absmax, self.track_absmax
+        )
 
 
 def lerp(old: torch.Tensor, new: torch.Tensor, weight: float) -> torch.Tensor:
@@ -306,5 +311,6 @@ class LatestAbsMax(AbsMax):
     def update(self, batch: Batch) -> LatestAbsMax:
         return LatestAbsMax(torch.maximum(-batch.min_vals, batch.max_vals))
 
-    def merge(self, other: AbsMax) -> AbsMax:
-        return other  # nothing accumulates: the later statistic wins
+    def merge(self, other: AbsMax) -> LatestAbsMax:
+        # Nothing accumulates: the later statistic wins.
+        return other if isinstance(other, LatestAbsMax) else LatestAbsMax(other.amax)

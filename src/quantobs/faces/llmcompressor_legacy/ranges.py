@@ -19,6 +19,7 @@ scales), as the legacy code computed them.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -176,7 +177,7 @@ class RangeView(Mapping[Hashable, torch.Tensor]):
         return repr(dict(self))
 
 
-class RangeObserver(Observer):
+class RangeObserver(Observer, metaclass=ABCMeta):
     """Observer keeping one running range per `tensor_id` (module docstring).
 
     Subclasses say which statistic a range keeps and how a batch's range is
@@ -188,9 +189,9 @@ class RangeObserver(Observer):
         self.ranges = torch.nn.ModuleList()
         self.tensor_ids: list[Hashable] = []  # the key of each of `ranges`
 
+    @abstractmethod
     def _new_range(self, tensor_id: Hashable) -> TensorRange:
         """A fresh running range for `tensor_id`."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _new_range")
 
     @property
     def has_statistics(self) -> bool:

@@ -22,6 +22,7 @@ numbers equal torch's. The moving average is torch's step form,
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, ClassVar
 
@@ -79,9 +80,9 @@ class _RangeObserver(UniformQuantizationObserverBase):
             }
         return {"dtype": self.min_val.dtype}
 
+    @abc.abstractmethod
     def _layout(self, x: torch.Tensor) -> torch.Tensor:
         """The batch in the canonical layout."""
-        raise NotImplementedError
 
     def _prepare_batch(self, batch: Batch) -> Batch:
         # torch reduces in the buffers' dtype: the range, cast to it.
