@@ -1,0 +1,177 @@
+"""Wrappers of `qo_search.c`: the histogram searches' error terms (torch's L2
+terms, the exact L2 errors and the certificate's survivors) and the entropy
+search's divergences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantobs.native.runtime import available, loaded, threads, usable
+
+__all__ = [
+    "entropy",
+    "l2_errors",
+    "l2_survivors",
+    "torch_l2_terms",
+]
+
+_LOG_TABLE = 1 << 20  # entropy: level masses below this get their log from a table
+_EXACT_QUOTIENT = 1 << 28  # torch_l2_terms: bins * dst_nbins below this
+_SERIAL_ELEMS = 1 << 13  # torch_l2_terms runs this much work on one thread
+
+
+def torch_l2_terms(
+    histogram: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    bin_width: torch.Tensor,
+    dst_nbins: int,
+) -> torch.Tensor | None:
+    """The `(P, bins)` float32 terms of torch.ao's histogram L2 error, or None.
+
+    `solvers.torch_l2.torch_l2_errors`' arithmetic (torch's
+    `_compute_quantization_error` before its sum) for P proposals: `(P,)`
+    start and end bins and float64 source bin widths; `histogram` is
+    `(P, bins)` or `(1, bins)` float32. None also where a destination width
+    rounds to a float32 zero (torch divides by it; the eager twin follows).
+    """
+    if not usable(histogram) or histogram.ndim != 2:
+        return None
+    count, bins = starts.numel(), histogram.shape[1]
+    if bins * dst_nbins >= _EXACT_QUOTIENT:  # the kernel's fmod needs q < 2**29
+        return None
+    if histogram.shape[0] not in (1, count) or {ends.numel(), bin_width.numel()} != {
+        count
+    }:
+        raise ValueError(
+            "histogram must be (1 or P, bins) and starts, ends, widths (P,)"
+        )
+    starts = starts.to(torch.int64).contiguous()
+    ends = ends.to(torch.int64).contiguous()
+    bin_width = bin_width.to(torch.float64).contiguous()
+    out = torch.empty(count, bins, dtype=torch.float32)
+    bad = loaded().qo_torch_l2_terms(
+        histogram.data_ptr(),
+        bins,
+        int(histogram.shape[0] == 1),
+        count,
+        starts.data_ptr(),
+        ends.data_ptr(),
+        bin_width.data_ptr(),
+        dst_nbins,
+        out.data_ptr(),
+        # small blocks: waking a second thread costs more than it saves
+        1 if count * bins <= _SERIAL_ELEMS else torch.get_num_threads(),
+    )
+    return None if bad else out
+
+
+def l2_errors(
+    table: torch.Tensor, lo_u: torch.Tensor, hi_u: torch.Tensor, levels: int
+) -> torch.Tensor | None:
+    """Exact L2 errors of ranges `[lo_u, hi_u]` `(K,)` over one histogram.
+
+    `table`: its `(bins, 4)` float64 `_prefix_moments` rows. The same
+    arithmetic as `solvers.l2_error.exact_errors` (the level sums in order);
+    None where the kernels are not available.
+    """
+    if table.device.type != "cpu" or not available():
+        return None
+    if table.ndim != 2 or table.shape[1] != 4 or lo_u.numel() != hi_u.numel():
+        raise ValueError("table must be (bins, 4) and lo_u, hi_u of one length")
+    table = table.to(torch.float64).contiguous()
+    lo_u = lo_u.to(torch.float64).contiguous()
+    hi_u = hi_u.to(torch.float64).contiguous()
+    out = torch.empty(lo_u.numel(), dtype=torch.float64)
+    loaded().qo_l2_errors(
+        table.data_ptr(),
+        table.shape[0],
+        lo_u.data_ptr(),
+        hi_u.data_ptr(),
+        lo_u.numel(),
+        levels,
+        out.data_ptr(),
+        threads(lo_u.numel() * levels),
+    )
+    return out
+
+
+def l2_survivors(
+    at: torch.Tensor,
+    start: torch.Tensor,
+    total: torch.Tensor,
+    jumps: torch.Tensor,
+    jump_weight: float,
+    levels: int,
+    na: int,
+    b0: int,
+    limit: float,
+    cap: int,
+) -> torch.Tensor | None:
+    """Bin-edge ranges left in the running by `solvers.l2_bounds.L2Bounds`.
+
+    For one histogram of `bins` bins: `at` `(3, bins + 1)` moments at each
+    edge, `start` and `total` `(3,)` the moments at 0 and at `bins`, `jumps`
+    `(bins + 1,)` and their weight in the bound. Returns the `(K, 2)` int64
+    pairs `(a, b - b0)`, `a < na`, `b0 <= b <= bins`, `b > a`, whose bound
+    is below `limit`, in `(a, b)` order (as `nonzero` lists them); an empty
+    `(0, 2)` tensor for none; None where the kernels are not available or
+    more than `cap` pairs remain.
+    """
+    if at.device.type != "cpu" or not available():
+        return None
+    bins = at.shape[-1] - 1
+    if at.shape != (3, bins + 1) or jumps.numel() != bins + 1 or start.numel() != 3:
+        raise ValueError("at must be (3, bins + 1), jumps (bins + 1,), start (3,)")
+    tables = [t.to(torch.float64).contiguous() for t in (at, start, total, jumps)]
+    out = torch.empty(cap, 2, dtype=torch.int64)
+    found = loaded().qo_l2_survivors(
+        *(t.data_ptr() for t in tables),
+        jump_weight,
+        bins,
+        levels,
+        na,
+        b0,
+        limit,
+        out.data_ptr(),
+        cap,
+        torch.get_num_threads(),
+    )
+    return None if found > cap else out[:found].clone()
+
+
+def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor | None:
+    """KL divergence `(Q, C)` of clip bins `cands` for histograms `h` `(Q, B)`.
+
+    `solvers.entropy._divergences` over its `_prefixes`, in float64 (each
+    row's prefix sums made in the kernel); None where the kernels are not
+    available.
+    """
+    if h.device.type != "cpu" or not available():
+        return None
+    if h.ndim != 2:
+        raise ValueError(f"h must be (Q, B), got shape {tuple(h.shape)}")
+    num_q, bins = h.shape
+    h = h.to(torch.float64).contiguous()
+    cands = cands.to(torch.int64).contiguous()
+    if cands.numel() and not (int(cands.min()) >= 1 and int(cands.max()) <= bins):
+        raise ValueError(f"candidate bins must lie in [1, {bins}]")
+    out = torch.full((num_q, cands.numel()), math.nan, dtype=torch.float64)
+    # integer counts: the logs of level masses come from a table
+    total = float(h.sum(dim=1).max()) if num_q else 0.0
+    integral = total < _LOG_TABLE and bool((h == h.floor()).all())
+    loaded().qo_entropy(
+        h.data_ptr(),
+        num_q,
+        bins,
+        cands.data_ptr(),
+        cands.numel(),
+        levels,
+        int(total) + 1 if integral else 0,
+        out.data_ptr(),
+        threads(num_q * cands.numel() * levels),
+    )
+    return None if bool(torch.isnan(out).any()) else out  # NaN: out of memory
