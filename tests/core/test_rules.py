@@ -16,7 +16,7 @@ from quantobs.core.qparams import (
     calculate_qparams,
     range_to_qparams,
 )
-from quantobs.core.qparams.torch_ao import torch_qparams
+from quantobs.core.qparams.torch_rule import torch_qparams
 
 RULES = {
     "compressed_tensors": CompressedTensorsRule(QuantizationArgs(num_bits=4)),

@@ -1,7 +1,7 @@
 """BFP16 block statistic: the block absolute maximum, doubled on overflow.
 
 BFP16 blocks of 8 share `scale = 2**(floor(log2 amax) - 6)` and int8
-mantissas (`quantobs.core.qparams.quark.bfp_scale`); where rounding the
+mantissas (`quantobs.core.qparams.quark_rule.bfp_scale`); where rounding the
 block's largest value `P` would give 128 (outside int8), the scale doubles.
 As in Quark, the doubling is kept in the statistic (the stored amax doubles),
 so a later batch sees the doubled value. With `amax = m * 2**e`::
@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from quantobs.core.qparams.quark import bfp_scale
+from quantobs.core.qparams.quark_rule import bfp_scale
 from quantobs.stats.base import Batch, Field, Reduce, Statistic
 
 __all__ = ["BfpAbsMax"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import quantobs.faces.quark as ours
-from quantobs.core.qparams import quark as ours_qparams
+from quantobs.core.qparams import quark_rule as ours_qparams
 
 # Quark's power-of-two observers copy-construct tensors with torch.tensor().
 _QUARK_COPY_WARNING = "ignore:To copy construct from a tensor:UserWarning"

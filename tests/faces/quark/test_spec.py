@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import quantobs.faces.quark as ours
 from quantobs.core.layout import channel_view, group_view
-from quantobs.core.qparams import quark as qp
+from quantobs.core.qparams import quark_rule as qp
 from quantobs.core.qparams.pow2 import pow2_exponent, pow2_nearest
 from quantobs.faces.quark import QTensorConfig
 from quantobs.stats.reduce import minmax

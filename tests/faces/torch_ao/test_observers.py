@@ -19,7 +19,7 @@ from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
 from quantobs.core.layout import channel_view
-from quantobs.core.qparams import torch_ao as ours_qparams
+from quantobs.core.qparams import torch_rule as ours_qparams
 from quantobs.faces.torch_ao.base import FLOAT32_EPS
 from quantobs.stats import reduce as reduce_module
 from quantobs.stats.reduce import minmax

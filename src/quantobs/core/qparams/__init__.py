@@ -6,10 +6,10 @@ arithmetic is one named, pure rule, configured once and called as
 
     rule                   arithmetic of                      module
     CompressedTensorsRule  compressed-tensors / llm-compressor  compressed_tensors
-    TorchAORule            torch.ao.quantization.observer     torch_ao
-    QuarkRule              AMD Quark (int, FP8, FP4 / FP6 with  quark
+    TorchAORule            torch.ao.quantization.observer     torch_rule
+    QuarkRule              AMD Quark (int, FP8, FP4 / FP6 with  quark_rule
                            float32, e4m3 or e8m0 scales)
-    QuarkPow2Rule          AMD Quark's power-of-two observers   quark
+    QuarkPow2Rule          AMD Quark's power-of-two observers   quark_rule
                            (its ONNX tools' candidate)
 
 `range_to_qparams(min_vals, max_vals, rule)` is the one entry point;
@@ -37,8 +37,8 @@ from quantobs.core.qparams.compressed_tensors import (
     storage_to_scale,
 )
 from quantobs.core.qparams.pow2 import Pow2Rounding, pow2_exponent
-from quantobs.core.qparams.quark import QuarkPow2Rule, QuarkRule
-from quantobs.core.qparams.torch_ao import TorchAORule
+from quantobs.core.qparams.quark_rule import QuarkPow2Rule, QuarkRule
+from quantobs.core.qparams.torch_rule import TorchAORule
 
 __all__ = [
     "QPARAMS_RULES",

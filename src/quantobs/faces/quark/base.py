@@ -4,7 +4,7 @@
 attributes (`dtype`, `qspec`, `scale_torch_dtype`, `scale_format`,
 `scale_calculation_mode`); `UniformScalingObserver` adds `min_val` /
 `max_val` / `eps` buffers, `calculate_qparams(min_val, max_val)` (Quark's
-rule, `quantobs.core.qparams.quark.QuarkRule`) and `reset_min_max_vals()`.
+rule, `quantobs.core.qparams.quark_rule.QuarkRule`) and `reset_min_max_vals()`.
 
 State. Each observer keeps one statistic of the engine
 (`quantobs.observers.engine`) in its buffers, float32 (float64 for float64
@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantobs.core.layout import channel_view, normalize_axis
-from quantobs.core.qparams.quark import QuarkRule, nonfinite_error
+from quantobs.core.qparams.quark_rule import QuarkRule, nonfinite_error
 from quantobs.faces.quark.spec import (
     Dtype,
     QSchemeType,

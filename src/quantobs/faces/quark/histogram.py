@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantobs.core.layout import group_view
-from quantobs.core.qparams.quark import int_qparams
+from quantobs.core.qparams.quark_rule import int_qparams
 from quantobs.core.scoring import score
 from quantobs.faces.quark.base import (
     UniformScalingObserver,

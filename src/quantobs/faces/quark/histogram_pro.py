@@ -4,7 +4,7 @@ Quark wraps torch's `HistogramObserver` with 256 bins; here the same three
 parts of the core do it: torch's histogram statistic
 (`quantobs.stats.torch_histogram`), torch's greedy L2 search
 (`quantobs.solvers.torch_l2`) and torch's qparams rule
-(`quantobs.core.qparams.torch_ao`), bit for bit.
+(`quantobs.core.qparams.torch_rule`), bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from quantobs.core.qparams.torch_ao import TorchAORule, torch_quant_range
+from quantobs.core.qparams.torch_rule import TorchAORule, torch_quant_range
 from quantobs.faces.quark.base import FLOAT32_EPS, UniformScalingObserver
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
 from quantobs.solvers.torch_l2 import torch_l2_search

@@ -6,7 +6,7 @@ it), in the buffer `amax`, shape `(rows, num_blocks)` as in Quark: MX an
 `AbsMax` statistic, BFP16 a `BfpAbsMax` (the overflow doubling, see
 `quantobs.stats.bfp`).
 
-MX scales come from Quark's rule (`quantobs.core.qparams.quark`): element
+MX scales come from Quark's rule (`quantobs.core.qparams.quark_rule`): element
 formats fp4, fp6_e2m3, fp6_e3m2, fp8_e4m3, fp8_e5m2 (Quark's `dtype=fp4`
 etc. with `scale_format="e8m0"`), and int8 (`dtype="mx",
 mx_element_dtype="int8"`, OCP MXINT8: scale `2**exponent(amax)`, integer
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from quantobs.core.layout import group_view
-from quantobs.core.qparams.quark import bfp_scale, finish_scale
+from quantobs.core.qparams.quark_rule import bfp_scale, finish_scale
 from quantobs.faces.quark.base import FLOAT32_EPS, ObserverBase
 from quantobs.faces.quark.spec import (
     MX_ELEMENT_DTYPES,

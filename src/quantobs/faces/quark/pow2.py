@@ -2,7 +2,7 @@
 
 Per call of `_calculate_qparams` (Quark calls it after every calibration
 batch) the running range gives one power-of-two candidate
-(`quantobs.core.qparams.quark.QuarkPow2Rule`), and the observer returns the
+(`quantobs.core.qparams.quark_rule.QuarkPow2Rule`), and the observer returns the
 most frequent `(scale, zero_point)` over all calls so far (ties: the
 earliest). MinMSE observers then try `pof2 * 2**k` for `k = 2, 1, 0, -1,
 -2` on the last batch (same zero point) and keep the first of least squared
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from quantobs.core.qparams.quark import QuarkPow2Rule, QuarkRule, most_frequent
+from quantobs.core.qparams.quark_rule import QuarkPow2Rule, QuarkRule, most_frequent
 from quantobs.core.scoring import score
 from quantobs.faces.quark.base import per_channel_view
 from quantobs.faces.quark.minmax import (

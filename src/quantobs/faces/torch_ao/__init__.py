@@ -59,7 +59,7 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 
 from __future__ import annotations
 
-from quantobs.core.qparams.torch_ao import torch_qparams, torch_quant_range
+from quantobs.core.qparams.torch_rule import torch_qparams, torch_quant_range
 from quantobs.faces.torch_ao.base import ObserverBase, UniformQuantizationObserverBase
 from quantobs.faces.torch_ao.defaults import (
     default_affine_fixed_qparams_observer,

@@ -15,7 +15,7 @@ policy, the update). What is the face's own:
   state dicts interchange with torch's observers both ways: buffers always
   present, per-tensor ranges 0-dim (`(+inf, -inf)` before data), per-channel
   ranges `(C,)` (empty `(0,)` before data: "no statistic");
-* range -> qparams by torch's rule (`quantobs.core.qparams.torch_ao`,
+* range -> qparams by torch's rule (`quantobs.core.qparams.torch_rule`,
   `TorchAORule`), its `ValueError` raised as the face's
   `InvalidObserverArgument`; shape and NaN errors in the face's types and
   words (`quantobs.faces.torch_ao.errors`).
@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from quantobs.core.layout import channel_view
-from quantobs.core.qparams.torch_ao import (
+from quantobs.core.qparams.torch_rule import (
     ALLOWED_DTYPES,
     ALLOWED_QSCHEMES,
     PER_TENSOR_QSCHEMES,

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from quantobs.core.qparams.torch_ao import (
+from quantobs.core.qparams.torch_rule import (
     PER_TENSOR_QSCHEMES,
     SYMMETRIC_QSCHEMES,
     default_qparams,

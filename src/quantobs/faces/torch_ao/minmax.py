@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantobs.core.layout import channel_view
-from quantobs.core.qparams.torch_ao import PER_CHANNEL_QSCHEMES, PER_TENSOR_QSCHEMES
+from quantobs.core.qparams.torch_rule import PER_CHANNEL_QSCHEMES, PER_TENSOR_QSCHEMES
 from quantobs.faces.torch_ao.base import (
     FLOAT32_EPS,
     UniformQuantizationObserverBase,
@@ -129,7 +129,7 @@ class MinMaxObserver(_RangeObserver):
     `min_val` / `max_val` (0-dim buffers, `+inf` / `-inf` before any data)
     hold the smallest and largest value so far; `calculate_qparams()` turns
     them into scale and zero point with torch.ao's rules (see
-    `quantobs.core.qparams.torch_ao`).
+    `quantobs.core.qparams.torch_rule`).
 
     Args:
         dtype: quantized dtype.
