@@ -168,16 +168,21 @@ def score(
         return _score_chunked(x3, scale, zero_point, fmt, norm, chunk_elems)
     _, num_q, g = x3.shape
     num_c = scale.shape[0]
-    weights = weights.to(torch.float64)
+    weights = weights.to(torch.float64)[:, :, None]  # (Q, G, 1)
     errors = torch.empty(num_c, num_q, dtype=torch.float64, device=x3.device)
+    # Chunks of qparams x candidates, each at most ~chunk_elems values.
     q_step = max(1, chunk_elems // max(1, num_c * g))
+    c_step = max(1, min(num_c, chunk_elems // max(1, g)))
     for q0 in range(0, num_q, q_step):
         rows = slice(q0, q0 + q_step)
-        zp = None if zero_point is None else zero_point[:, rows, None]
-        err = error_power(
-            x3[0, rows].float()[None], scale[:, rows, None], zp, fmt, norm
-        )
-        errors[:, rows] = (err.to(torch.float64) * weights[None, rows]).sum(dim=2)
+        values = x3[0, rows].float()[:, None]  # (q, 1, G)
+        for c0 in range(0, num_c, c_step):
+            cols = slice(c0, c0 + c_step)
+            zp = None if zero_point is None else zero_point[cols, rows].T[..., None]
+            err = error_power(values, scale[cols, rows].T[..., None], zp, fmt, norm)
+            # (q, c, G) @ (q, G, 1): the count-weighted sum of each row
+            weighted = torch.bmm(err.to(torch.float64), weights[rows])
+            errors[cols, rows] = weighted.squeeze(-1).T
     return errors
 
 
