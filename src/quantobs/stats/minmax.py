@@ -180,12 +180,13 @@ def lerp_ranges(
     """
     step = lerp if form == "blend" else _step
     old_empty, new_empty = old[0] > old[1], new[0] > new[1]
+    any_old, any_new = bool(old_empty.any()), bool(new_empty.any())
     out = []
     for before, after in zip(old, new, strict=True):
         mixed = step(before, after, weight)
-        if bool(old_empty.any()):
+        if any_old:
             mixed = torch.where(old_empty, after, mixed)
-        if bool(new_empty.any()):
+        if any_new:
             mixed = torch.where(new_empty, before, mixed)
         out.append(mixed)
     return out[0], out[1]
