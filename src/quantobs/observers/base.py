@@ -216,6 +216,15 @@ class Observer(ObserverEngine, Registered):
         """The selected `(*qparam_shape,)` range (qparams with no data: `(0, 0)`)."""
         return range_or_zero(*self._range(self._require()))
 
+    def global_amax(self) -> torch.Tensor:
+        """`(1,)` float32 largest |value| the NVFP4 global scale derives from
+        (fused layers share the largest of theirs).
+
+        Raises:
+            RuntimeError: nothing observed yet.
+        """
+        return self._global_amax(self._require()).float().reshape(1)
+
     def get_global_scale(self, observed: torch.Tensor | None = None) -> torch.Tensor:
         """NVFP4 global scale from the absmax of the selected ranges.
 

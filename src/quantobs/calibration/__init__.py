@@ -1,0 +1,47 @@
+"""Calibrating whole models: attach observers, calibrate, save / resume,
+sync across processes, export a compressed-tensors checkpoint.
+
+The five lines from a Hugging Face model to scales on every layer::
+
+    from quantobs.calibration import Recipe, attach, calibrate, text_batches
+
+    attach(model, Recipe.from_scheme("W8A8", ignore=["re:.*pooler.*"]))
+    report = calibrate(model, text_batches(tokenizer, sentences))
+"""
+
+from quantobs.calibration.attach import (
+    Attachment,
+    Entry,
+    attach,
+    attachment_of,
+    detach,
+    observers_of,
+)
+from quantobs.calibration.calibrate import (
+    CalibrationReport,
+    calibrate,
+    text_batches,
+    write_qparams,
+)
+from quantobs.calibration.qparams import (
+    DEFAULT_EMPTY_RANGE,
+    FUSED_LAYER_NAMES,
+)
+from quantobs.calibration.recipe import DEFAULT_OBSERVERS, Recipe
+
+__all__ = [
+    "DEFAULT_EMPTY_RANGE",
+    "DEFAULT_OBSERVERS",
+    "FUSED_LAYER_NAMES",
+    "Attachment",
+    "CalibrationReport",
+    "Entry",
+    "Recipe",
+    "attach",
+    "attachment_of",
+    "calibrate",
+    "detach",
+    "observers_of",
+    "text_batches",
+    "write_qparams",
+]

@@ -1,0 +1,344 @@
+"""The calibration loop: observe weights once, run the batches, write qparams.
+
+`calibrate(model, batches)` runs the forward passes under `torch.no_grad()`
+with the attached observers' hooks, then writes every qparam onto the model
+(`quantobs.calibration.qparams`) and returns a `CalibrationReport`. Calling
+it again continues the calibration (the statistics accumulate); so does it
+after `load_state` (`quantobs.calibration.state`).
+
+Under `torch.distributed` (`sync=True`), each process passes its own shard
+of the batches: each observes a share of the weights (balanced by size,
+fused layers together) and broadcasts their qparams; the activation
+statistics are all-reduced as each statistic declares
+(`quantobs.calibration.distributed`), so every process ends with the qparams
+one process would compute from all the batches.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quantobs.calibration.attach import Attachment, Entry, attachment_of
+from quantobs.calibration.qparams import (
+    EmptyPolicy,
+    QParams,
+    compute_qparams,
+    fused_groups,
+    set_qparams,
+)
+from quantobs.observers.mse import StaticMSEObserver
+
+__all__ = ["CalibrationReport", "calibrate", "text_batches", "write_qparams"]
+
+
+@dataclass
+class CalibrationReport:
+    """What a `calibrate` call did.
+
+    Attributes:
+        modules: names of the modules whose qparams were written.
+        tokens: tokens each activation / attention observer has seen in all
+            (`"{module}.{base}"` -> count; the legacy token count, for every
+            activation shape), summed over processes when synced.
+        empty: observers that saw no data (their qparams fell back).
+        batches: batches run by this call (this process's).
+        seconds: wall time of this call.
+    """
+
+    modules: list[str] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    empty: list[str] = field(default_factory=list)
+    batches: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"calibrated {len(self.modules)} modules on {self.batches} batches "
+            f"in {self.seconds:.2f} s"
+        ]
+        if self.tokens:
+            counts = sorted(self.tokens.values())
+            lines.append(
+                f"tokens per observer: min {counts[0]}, max {counts[-1]} "
+                f"({len(counts)} observers)"
+            )
+        if self.empty:
+            lines.append(f"saw no data (fallback range): {', '.join(self.empty)}")
+        return "\n".join(lines)
+
+
+def text_batches(
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 16,
+    max_length: int = 256,
+) -> list[dict[str, torch.Tensor]]:
+    """Tokenized batches of `texts` for `calibrate` (padded, truncated).
+
+    Raises:
+        ValueError: no texts, or a batch size below 1.
+    """
+    if isinstance(texts, str) or not texts:
+        raise ValueError("texts must be a non-empty sequence of strings")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return [
+        dict(
+            tokenizer(
+                list(texts[i : i + batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
+        )
+        for i in range(0, len(texts), batch_size)
+    ]
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _forward(model: torch.nn.Module, batch: Any) -> None:
+    batch = _to(batch, _device_of(model))
+    if isinstance(batch, Mapping):
+        model(**batch)
+    elif isinstance(batch, list | tuple):
+        model(*batch)
+    else:
+        model(batch)
+
+
+def _progress(batches: Iterable[Any], enabled: bool | None) -> Iterable[Any]:
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return batches
+    from tqdm.auto import tqdm
+
+    total = len(batches) if isinstance(batches, Sequence) else None
+    return tqdm(batches, total=total, desc="calibrating", unit="batch")
+
+
+def _observe_weights(entries: Iterable[Entry]) -> None:
+    for entry in entries:
+        entry.observer.update(entry.weight.detach())
+
+
+def write_qparams(
+    model: torch.nn.Module,
+    *,
+    on_empty: EmptyPolicy = "raise",
+    qparams: Mapping[str, QParams] | None = None,
+) -> list[str]:
+    """Write every attached observer's qparams onto its module.
+
+    Returns:
+        The observers that fell back to a default range.
+    """
+    attachment = attachment_of(model)
+    fell_back: list[str] = []
+    if qparams is None:
+        qparams, fell_back = compute_qparams(attachment, on_empty=on_empty)
+    by_key = attachment.by_key()
+    for key, values in qparams.items():
+        set_qparams(by_key[key], values)
+    return fell_back
+
+
+def _weight_groups(attachment: Attachment) -> list[list[Entry]]:
+    return fused_groups(attachment.entries)
+
+
+def calibrate(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    *,
+    progress: bool | None = None,
+    on_empty: EmptyPolicy = "raise",
+    sync: bool = False,
+    process_group: Any = None,
+) -> CalibrationReport:
+    """Run the batches through the model with its observers, write the qparams.
+
+    Args:
+        model: a model with observers attached (`attach`).
+        batches: each a dict of keyword arguments (`model(**batch)`), a tuple
+            of positional ones, or one tensor; moved to the model's device.
+        progress: show a progress bar (None: when stderr is a terminal).
+        on_empty: `"raise"` when an observer saw no data, or `"fallback"`
+            (see `quantobs.calibration.qparams`).
+        sync: all-reduce the statistics across the processes of
+            `torch.distributed` (each process passes its shard of batches).
+        process_group: the process group to sync over (default: world).
+
+    Returns:
+        The `CalibrationReport`.
+
+    Raises:
+        RuntimeError: no observers attached, `sync=True` outside an
+            initialized process group, or an observer with no data under
+            `on_empty="raise"`.
+    """
+    attachment = attachment_of(model)
+    start = time.perf_counter()
+    groups = _weight_groups(attachment)
+    owned = groups
+    if sync:
+        from quantobs.calibration import distributed as dist
+
+        if not dist.is_distributed():
+            raise RuntimeError(
+                "calibrate(sync=True) needs an initialized torch.distributed "
+                "process group (e.g. started with torchrun)"
+            )
+        rank, world = dist.rank_and_world(process_group)
+        sizes = [sum(e.weight.numel() for e in g) for g in groups]
+        owners = dist.owners_by_size(sizes, world)
+        owned = [g for g, o in zip(groups, owners, strict=True) if o == rank]
+    batches = batches if isinstance(batches, Sequence) else list(batches)
+    with torch.no_grad():
+        if not attachment.weights_observed:
+            _observe_weights(e for g in owned for e in g)
+            attachment.weights_observed = True
+        if sync:
+            _agree_references(model, attachment, batches, process_group)
+        count = 0
+        for batch in _progress(batches, progress):
+            _forward(model, batch)
+            count += 1
+        if sync:
+            qparams, fell_back = _synced_qparams(
+                attachment, groups, owned, on_empty, process_group
+            )
+        else:
+            qparams, fell_back = compute_qparams(attachment, on_empty=on_empty)
+        write_qparams(model, qparams=qparams)
+    modules = list(dict.fromkeys(e.name for e in attachment.entries))
+    tokens = {e.key: e.tokens for e in attachment.entries if e.base_name != "weight"}
+    if sync:
+        tokens = _summed_tokens(tokens, process_group)
+    return CalibrationReport(
+        modules=modules,
+        tokens=tokens,
+        empty=fell_back,
+        batches=count,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _activation_entries(attachment: Attachment) -> list[Entry]:
+    return [e for e in attachment.entries if e.base_name != "weight"]
+
+
+def _agree_references(
+    model: torch.nn.Module,
+    attachment: Attachment,
+    batches: Sequence[Any],
+    group: Any,
+) -> None:
+    """Give every process's `static_mse` activation observers the reference
+    range of the first batch of the lowest process with data (the global
+    first batch), before any error is accumulated."""
+    from quantobs.calibration import distributed as dist
+
+    entries = [
+        e
+        for e in _activation_entries(attachment)
+        if isinstance(e.observer, StaticMSEObserver) and not e.observer.has_statistics
+    ]
+    if not dist.any_across(bool(entries), group):
+        return
+    if entries and batches:
+        chosen = {id(e) for e in entries}
+        for entry in attachment.entries:
+            entry.enabled = id(entry) in chosen
+        tokens = {e.key: e.tokens for e in entries}
+        try:
+            _forward(model, batches[0])  # each reference from the first batch
+        finally:
+            for entry in attachment.entries:
+                entry.enabled = True
+        for entry in entries:  # keep the reference, drop that batch's errors
+            entry.tokens = tokens[entry.key]
+            observer = entry.observer
+            if isinstance(observer, StaticMSEObserver):
+                observer.clear_errors()
+    dist.agree_references([e.observer for e in entries], group)
+
+
+def _synced_qparams(
+    attachment: Attachment,
+    groups: list[list[Entry]],
+    owned: list[list[Entry]],
+    on_empty: EmptyPolicy,
+    group: Any,
+) -> tuple[dict[str, QParams], list[str]]:
+    from quantobs.calibration import distributed as dist
+
+    rank, world = dist.rank_and_world(group)
+    activations = _activation_entries(attachment)
+    dist.sync_observers([e.observer for e in activations], group)
+    qparams, fell_back = compute_qparams(attachment, on_empty=on_empty, weights=owned)
+    # Weight qparams: each from its owner; placeholders elsewhere.
+    sizes = [sum(e.weight.numel() for e in g) for g in groups]
+    owners = dist.owners_by_size(sizes, world)
+    tensors: list[torch.Tensor] = []
+    tensor_owners: list[int] = []
+    for weight_group, owner in zip(groups, owners, strict=True):
+        for entry in weight_group:
+            if owner != rank:
+                qparams[entry.key] = _placeholder(entry)
+            for kind in sorted(qparams[entry.key]):
+                tensors.append(qparams[entry.key][kind])
+                tensor_owners.append(owner)
+    dist.broadcast_from_owners(tensors, tensor_owners, group)
+    return qparams, fell_back
+
+
+def _placeholder(entry: Entry) -> QParams:
+    from quantobs.core.layout import qparam_shape
+
+    weight = entry.weight
+    shape = qparam_shape(tuple(weight.shape), "weight", entry.args)
+    device = weight.device
+    found: QParams = {
+        "scale": torch.zeros(shape, device=device),
+        "zero_point": torch.zeros(shape, dtype=entry.args.zp_dtype, device=device),
+    }
+    if entry.args.strategy == "tensor_group":
+        found["global_scale"] = torch.zeros(1, device=device)
+    return found
+
+
+def _summed_tokens(tokens: dict[str, int], group: Any) -> dict[str, int]:
+    import torch.distributed as torch_dist
+
+    if not tokens:
+        return tokens
+    keys = sorted(tokens)
+    from quantobs.calibration.distributed import collective_device
+
+    counts = torch.tensor(
+        [tokens[k] for k in keys], dtype=torch.int64, device=collective_device(group)
+    )
+    torch_dist.all_reduce(counts, group=group)
+    return dict(zip(keys, (int(c) for c in counts.tolist()), strict=True))
