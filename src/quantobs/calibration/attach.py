@@ -356,8 +356,8 @@ def observers_of(model: torch.nn.Module) -> Iterator[tuple[Entry, Observer]]:
         yield entry, entry.observer
 
 
-def _add(attachment: Attachment, entry: Entry, options: dict[str, Any]) -> None:
-    name, kwargs = options["name"], options["kwargs"]
+def _add(attachment: Attachment, entry: Entry) -> None:
+    name, kwargs = observer_for(entry.base_name, entry.args)
     observer = Observer.load_from_registry(
         name, base_name=entry.base_name, args=entry.args, module=entry.module, **kwargs
     )
@@ -386,41 +386,10 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
         raise RuntimeError("observers are already attached; call detach(model) first")
     recipe = Recipe.coerce(recipe)
     attachment = Attachment(recipe)
-    attention: dict[str, torch.nn.Module] = {}
     resolved = _resolve(model, recipe)
-    for name, module, group, scheme in resolved:
-        attn = is_attention(module)
-        parts = ["input_activations"] if attn else ["weights", *_ACT_PARTS]
-        for part in parts:
-            args = _observed_args(scheme, part)
-            if args is None:
-                continue
-            base = "q" if attn else _BASE[part]
-            _check_takes(name, module, base, args)
-            obs_name, kwargs = observer_for(base, args)
-            entry = Entry(name, module, base, args, group)
-            _add(attachment, entry, {"name": obs_name, "kwargs": kwargs})
-            if attn:
-                attention[name] = module
-        kv = recipe.kv_cache_scheme
-        if attn and kv is not None and kv.dynamic is not True:
-            for base in ("k", "v"):
-                obs_name, kwargs = observer_for(base, kv)
-                entry = Entry(name, module, base, kv, "kv_cache")
-                _add(attachment, entry, {"name": obs_name, "kwargs": kwargs})
-            attention[name] = module
     try:
-        for entry in attachment.entries:
-            if entry.base_name == "input":
-                attachment.handles.append(
-                    entry.module.register_forward_pre_hook(
-                        _input_hook(entry), with_kwargs=True
-                    )
-                )
-            elif entry.base_name == "output":
-                attachment.handles.append(
-                    entry.module.register_forward_hook(_output_hook(entry))
-                )
+        attention = _add_observers(attachment, resolved)
+        _add_hooks(attachment)
         if attention:
             _hook_attention(model, attachment, attention)
     except Exception:
@@ -438,6 +407,45 @@ def _drop_qparams(module: torch.nn.Module) -> None:
         for kind in QPARAM_KINDS:
             if f"{base}_{kind}" in module._parameters:
                 delattr(module, f"{base}_{kind}")
+
+
+def _add_observers(
+    attachment: Attachment,
+    resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
+) -> dict[str, torch.nn.Module]:
+    """One observer per quantized tensor; returns the attention modules."""
+    attention: dict[str, torch.nn.Module] = {}
+    kv = attachment.recipe.kv_cache_scheme
+    for name, module, group, scheme in resolved:
+        attn = is_attention(module)
+        parts = ["input_activations"] if attn else ["weights", *_ACT_PARTS]
+        for part in parts:
+            args = _observed_args(scheme, part)
+            if args is None:
+                continue
+            base = "q" if attn else _BASE[part]
+            _check_takes(name, module, base, args)
+            _add(attachment, Entry(name, module, base, args, group))
+            if attn:
+                attention[name] = module
+        if attn and kv is not None and kv.dynamic is not True:
+            for base in ("k", "v"):
+                _add(attachment, Entry(name, module, base, kv, "kv_cache"))
+            attention[name] = module
+    return attention
+
+
+def _add_hooks(attachment: Attachment) -> None:
+    for entry in attachment.entries:
+        if entry.base_name == "input":
+            handle = entry.module.register_forward_pre_hook(
+                _input_hook(entry), with_kwargs=True
+            )
+        elif entry.base_name == "output":
+            handle = entry.module.register_forward_hook(_output_hook(entry))
+        else:
+            continue
+        attachment.handles.append(handle)
 
 
 _ACT_PARTS = ("input_activations", "output_activations")

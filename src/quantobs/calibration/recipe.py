@@ -80,7 +80,10 @@ def _with_observer(
     args = getattr(scheme, part)
     if args is None or observer is None:
         return scheme
-    name, options = (observer, {}) if isinstance(observer, str) else observer
+    pair = (observer, {}) if isinstance(observer, str) else observer
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        pair = (None, None)
+    name, options = pair
     if not isinstance(name, str) or not isinstance(options, Mapping):
         raise TypeError(
             f"an observer is a name or (name, options); got {observer!r} for {part}"
