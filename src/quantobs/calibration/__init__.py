@@ -20,14 +20,17 @@ from quantobs.calibration.attach import (
 from quantobs.calibration.calibrate import (
     CalibrationReport,
     calibrate,
+    sync,
     text_batches,
     write_qparams,
 )
+from quantobs.calibration.distributed import sync_observers
 from quantobs.calibration.qparams import (
     DEFAULT_EMPTY_RANGE,
     FUSED_LAYER_NAMES,
 )
 from quantobs.calibration.recipe import DEFAULT_OBSERVERS, Recipe
+from quantobs.calibration.state import load_state, save_state
 
 __all__ = [
     "DEFAULT_EMPTY_RANGE",
@@ -41,7 +44,11 @@ __all__ = [
     "attachment_of",
     "calibrate",
     "detach",
+    "load_state",
     "observers_of",
+    "save_state",
+    "sync",
+    "sync_observers",
     "text_batches",
     "write_qparams",
 ]

@@ -298,7 +298,7 @@ def _original_attention(module: torch.nn.Module, name: str) -> Callable[..., Any
             f"cannot observe q/k/v of {type(module).__name__}: its modeling module "
             "has no eager_attention_forward"
         )
-    return eager  # type: ignore[no-any-return]
+    return eager
 
 
 def _hook_attention(

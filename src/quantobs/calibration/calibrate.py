@@ -34,7 +34,7 @@ from quantobs.calibration.qparams import (
 )
 from quantobs.observers.mse import StaticMSEObserver
 
-__all__ = ["CalibrationReport", "calibrate", "text_batches", "write_qparams"]
+__all__ = ["CalibrationReport", "calibrate", "sync", "text_batches", "write_qparams"]
 
 
 @dataclass
@@ -249,6 +249,21 @@ def _activation_entries(attachment: Attachment) -> list[Entry]:
     return [e for e in attachment.entries if e.base_name != "weight"]
 
 
+def sync(model: torch.nn.Module, process_group: Any = None) -> None:
+    """All-reduce the attached activation / attention observers' statistics
+    across the processes of `torch.distributed`, as each statistic declares
+    (what `calibrate(..., sync=True)` does after its batches; weights are
+    observed whole by their owner instead).
+
+    Raises:
+        RuntimeError: no observers attached.
+    """
+    from quantobs.calibration import distributed as dist
+
+    entries = _activation_entries(attachment_of(model))
+    dist.sync_observers([e.observer for e in entries], process_group)
+
+
 def _agree_references(
     model: torch.nn.Module,
     attachment: Attachment,
@@ -295,8 +310,7 @@ def _synced_qparams(
     from quantobs.calibration import distributed as dist
 
     rank, world = dist.rank_and_world(group)
-    activations = _activation_entries(attachment)
-    dist.sync_observers([e.observer for e in activations], group)
+    dist.sync_observers([e.observer for e in _activation_entries(attachment)], group)
     qparams, fell_back = compute_qparams(attachment, on_empty=on_empty, weights=owned)
     # Weight qparams: each from its owner; placeholders elsewhere.
     sizes = [sum(e.weight.numel() for e in g) for g in groups]

@@ -50,7 +50,6 @@ the current CUDA device too, so set it (`torch.cuda.set_device`) first.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 from collections.abc import Sequence
@@ -118,7 +117,9 @@ def any_across(flag: bool, group: ProcessGroup | None = None) -> bool:
     _, world = rank_and_world(group)
     if world <= 1:
         return flag
-    found = torch.tensor([int(flag)], dtype=torch.int64, device=collective_device())
+    found = torch.tensor(
+        [int(flag)], dtype=torch.int64, device=collective_device(group)
+    )
     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item())
 
@@ -164,14 +165,11 @@ def _extreme(dtype: torch.dtype, largest: bool) -> float | int | bool:
     return info.max if largest else info.min
 
 
-_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-
-
 @dataclass(frozen=True)
 class _Slot:
     """Where one tensor sits in a bucket, and what it was."""
 
-    key: tuple[str, torch.dtype, str]
+    key: tuple[str, torch.dtype]
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -189,24 +187,27 @@ class _BitSlot:
 
 
 class _Buckets:
-    """Tensors reduced with one all-reduce per (op, wire dtype, device type).
+    """Tensors reduced with one all-reduce per (op, wire dtype).
 
     Every process must add tensors of the same shapes and dtypes in the same
     order (their values differ); `run` then reduces them all and `get`
-    returns each one's result.
+    returns each one's result. With `world == 1` nothing is communicated.
     """
 
-    def __init__(self, group: ProcessGroup | None) -> None:
+    def __init__(self, group: ProcessGroup | None, world: int) -> None:
         self._group = group
-        self._parts: dict[tuple[str, torch.dtype, str], list[torch.Tensor]] = {}
-        self._wire: dict[tuple[str, torch.dtype, str], torch.device] = {}
-        self._done: dict[tuple[str, torch.dtype, str], list[torch.Tensor]] = {}
+        self._world = world
+        self._parts: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        self._wire: dict[tuple[str, torch.dtype], torch.device] = {}
+        self._done: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
 
     def add(self, op: str, value: torch.Tensor) -> _Slot:
         """Queue `value` for the all-reduce `op` (`"min"`, `"max"`, `"sum"`)."""
         wire_dtype = _wire_dtype(value.dtype)
-        device = _wire_device(value.device, self._group)
-        key = (op, wire_dtype, device.type)
+        device = value.device
+        if self._world > 1:
+            device = _wire_device(device, self._group)
+        key = (op, wire_dtype)
         parts = self._parts.setdefault(key, [])
         wire = self._wire.setdefault(key, device)
         parts.append(value.reshape(-1).to(device=wire, dtype=wire_dtype))
@@ -232,11 +233,12 @@ class _Buckets:
     def run(self) -> int:
         """Reduce every bucket; returns the number of all-reduces."""
         calls = 0
-        for key in sorted(self._parts, key=lambda k: (k[0], str(k[1]), k[2])):
+        for key in sorted(self._parts, key=lambda k: (k[0], str(k[1]))):
             parts = self._parts[key]
             flat = torch.cat(parts)
-            if flat.numel():
-                dist.all_reduce(flat, op=_OPS[key[0]], group=self._group)
+            if flat.numel() and self._world > 1:
+                op = getattr(dist.ReduceOp, key[0].upper())
+                dist.all_reduce(flat, op=op, group=self._group)
                 calls += 1
             self._done[key] = list(flat.split([p.numel() for p in parts]))
         self._parts.clear()
@@ -266,7 +268,7 @@ class _Report:
     """What one process holds of one observer (gathered from every process).
 
     Attributes:
-        kind: observer class, statistic class and a digest of its config.
+        kind: the observer's class and its statistic's.
         qshape: the statistic's qparam shape (None: no statistic).
         fields: `(shape, dtype)` of each present state field.
         counts: `(num_observations, num_observed_tokens)` of an `Observer`.
@@ -279,11 +281,12 @@ class _Report:
 
 
 def _kind(obs: ObserverEngine) -> str:
+    """The observer's class and its statistic's (settings are checked by the
+    shapes they give: some configs, like Quark's bin count, change with the
+    data)."""
     stype = obs.statistic_type()
-    config = repr(sorted(obs.statistic_config().items())) if stype else ""
-    digest = hashlib.blake2b(config.encode(), digest_size=8).hexdigest()
-    name = stype.__qualname__ if stype else None
-    return f"{type(obs).__qualname__}[{name}]#{digest}"
+    name = stype.__qualname__ if stype is not None else None
+    return f"{type(obs).__qualname__}[{name}]"
 
 
 def _report(obs: ObserverEngine) -> _Report:
@@ -318,73 +321,554 @@ def _check_same_observers(reports: list[list[Any]], what: str) -> None:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one observer's statistic is combined (the same on every process).
+    """How one observer's statistic combines (the same on every process).
 
     Attributes:
         present: the ranks holding a statistic.
         qshape: its qparam shape.
-        targets: `(shape, dtype)` every process's field takes (fields no
-            process holds are left out).
-        latest: the rank LATEST fields come from (the highest present).
-        grid_sources: per GRID field, the rank it is copied from after
-            alignment, or None where every process aligns its own.
+        targets: `(shape, dtype)` each state field takes on every process
+            (fields no process holds are left out).
+        sources: per LATEST field, the highest rank holding it; per GRID
+            field, the lowest rank holding it filled where some process may
+            not align to it, else None (every process aligns its own).
         weighted: MEAN fields are weighted by the `count` field.
     """
 
     present: tuple[int, ...]
     qshape: tuple[int, ...]
     targets: dict[str, _FieldMeta]
-    latest: int
-    grid_sources: dict[str, int | None]
+    sources: dict[str, int | None]
     weighted: bool
 
 
 def _plan(
     index: int, stype: type[Statistic], reports: list[_Report], world: int
 ) -> _Plan | None:
-    """The plan of observer `index` from every process's report (raises alike
-    on every process).
+    """Observer `index`'s plan from every process's report (None: no process
+    holds a statistic).
 
-    Raises:
-        ValueError: qparam shapes or field shapes that differ across processes.
+    Raises (on every process alike):
+        ValueError: qparam or field shapes that differ across processes.
     """
     present = tuple(r for r, rep in enumerate(reports) if rep.qshape is not None)
     if not present:
         return None
-    qshapes = {reports[r].qshape for r in present}
+    qshapes = sorted({reports[r].qshape or () for r in present})
     if len(qshapes) > 1:
         raise ValueError(
             f"sync_observers: observer {index} has different qparam shapes on "
-            f"different ranks ({sorted(qshapes)})"
+            f"different ranks ({qshapes})"
         )
     targets: dict[str, _FieldMeta] = {}
-    grid_sources: dict[str, int | None] = {}
+    sources: dict[str, int | None] = {}
     for field in stype.fields:
-        held = [(r, reports[r].fields[field.name]) for r in present]
-        held = [(r, meta) for r, meta in held if meta is not None]
-        held = [(r, meta) for r, meta in held]
-        held = [(r, reports[r].fields[field.name]) for r in present if field.name in reports[r].fields]
+        held = [
+            (r, reports[r].fields[field.name])
+            for r in present
+            if field.name in reports[r].fields
+        ]
         if not held:
             continue
+        # Zero-size fields (e.g. a histogram with no bins yet) are empty.
         filled = [(r, meta) for r, meta in held if math.prod(meta[0]) > 0]
-        shapes = {meta[0] for _, meta in filled}
+        shapes = sorted({meta[0] for _, meta in filled})
         if len(shapes) > 1:
             raise ValueError(
-                f"sync_observers: observer {index}: {stype.__name__}.{field.name} "
-                f"has different shapes on different ranks ({sorted(shapes)}); "
-                "use the same observer settings on every process"
+                f"sync_observers: observer {index}: {stype.__name__}."
+                f"{field.name} has different shapes on different ranks "
+                f"({shapes}); use the same observer settings on every process"
             )
         if filled:
             dtype = filled[0][1][1]
             for _, (_, other) in filled[1:]:
                 dtype = torch.promote_types(dtype, other)
-            targets[field.name] = (filled[0][1][0], dtype)
+            targets[field.name] = (shapes[0], dtype)
         else:
             targets[field.name] = held[0][1]
-        if field.reduce == Reduce.GRID:
-            everywhere = len(filled) == world
-            grid_sources[field.name] = None if everywhere else (
-                filled[0][0] if filled else None
-            )
+        if field.reduce == Reduce.LATEST:
+            sources[field.name] = held[-1][0]
+        elif field.reduce == Reduce.GRID:
+            aligned_everywhere = len(filled) == world or not filled
+            sources[field.name] = None if aligned_everywhere else filled[0][0]
     weighted = all("count" in reports[r].fields for r in present)
-    return _Plan(present, qshapes.pop() or (), targets, present[-1], grid_sources, weighted)
+    return _Plan(present, qshapes[0], targets, sources, weighted)
+
+
+def _fill(
+    meta: _FieldMeta, value: float | int | bool, device: torch.device
+) -> torch.Tensor:
+    return torch.full(meta[0], value, dtype=meta[1], device=device)
+
+
+class _Sync:
+    """One observer's part in `sync_observers`: its local statistic (an empty
+    one where this process holds none), its slots in the buckets, and the
+    combined statistic."""
+
+    def __init__(self, index: int, obs: ObserverEngine, plan: _Plan, rank: int) -> None:
+        self.index = index
+        self.obs = obs
+        self.plan = plan
+        self.rank = rank
+        self.holds = rank in plan.present
+        stat = obs.statistic() if self.holds else None
+        if stat is None:
+            stat = obs._new_statistic(plan.qshape, obs._device_marker.device)
+        state = stat.state()
+        self.device = next(iter(state.values())).device
+        cast = {
+            n: v.to(plan.targets[n][1]) for n, v in state.items() if n in plan.targets
+        }
+        if any(cast[n].dtype != state[n].dtype for n in cast):
+            stat = type(stat).from_state({**state, **cast}, **obs.statistic_config())
+        self.stat = stat
+        self.state = cast
+        self.kinds = {f.name: f.reduce for f in stat.fields if f.name in plan.targets}
+        self.slots: dict[str, Any] = {}
+        self.reduced: dict[str, torch.Tensor] = {}  # MIN, MAX, EQUAL fields
+        self.aligned: dict[str, torch.Tensor] = {}  # the state after align
+
+    def _own(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """This process's value of a field, or None where it has none to give
+        (absent, or zero-size where others are filled)."""
+        value = state.get(name)
+        target = self.plan.targets[name][0]
+        if value is None or tuple(value.shape) == target:
+            return value
+        if value.numel():  # align() changed a filled field's shape
+            raise RuntimeError(
+                f"sync_observers: observer {self.index}: field {name!r} has shape "
+                f"{tuple(value.shape)} here but {target} on other ranks"
+            )
+        return None
+
+    def add_extremes(self, buckets: _Buckets) -> None:
+        """Queue the MIN, MAX and EQUAL fields (EQUAL in both)."""
+        for name, kind in self.kinds.items():
+            meta = self.plan.targets[name]
+            value = self._own(name, self.state)
+            if kind == Reduce.EQUAL and not self.holds:
+                value = None
+            if kind in (Reduce.MIN, Reduce.EQUAL):
+                low = (
+                    value
+                    if value is not None
+                    else _fill(meta, _extreme(meta[1], True), self.device)
+                )
+                self.slots[f"min:{name}"] = buckets.add("min", low)
+            if kind in (Reduce.MAX, Reduce.EQUAL):
+                high = (
+                    value
+                    if value is not None
+                    else _fill(meta, _extreme(meta[1], False), self.device)
+                )
+                self.slots[f"max:{name}"] = buckets.add("max", high)
+
+    def take_extremes(self, buckets: _Buckets) -> list[str]:
+        """Read the reduced MIN / MAX fields; returns the EQUAL fields that
+        differ across processes."""
+        differ = []
+        for name, kind in self.kinds.items():
+            if kind == Reduce.MIN:
+                self.reduced[name] = buckets.get(self.slots[f"min:{name}"])
+            elif kind == Reduce.MAX:
+                self.reduced[name] = buckets.get(self.slots[f"max:{name}"])
+            elif kind == Reduce.EQUAL:
+                low = buckets.get(self.slots[f"min:{name}"])
+                high = buckets.get(self.slots[f"max:{name}"])
+                if not torch.equal(low, high):
+                    differ.append(name)
+                self.reduced[name] = low
+        return differ
+
+    def add_sums(self, buckets: _Buckets) -> None:
+        """Align to the reduced range, then queue the SUM and MEAN fields and
+        the copied (LATEST, GRID) ones."""
+        bounds = {
+            n: v for n, v in self.reduced.items() if self.kinds[n] != Reduce.EQUAL
+        }
+        aligned = self.stat.align(bounds).state()
+        self.aligned = {
+            n: v.to(self.plan.targets[n][1])
+            for n, v in aligned.items()
+            if n in self.plan.targets
+        }
+        count = self.aligned.get("count")
+        weight = (
+            count.to(torch.float64)
+            if self.plan.weighted and count is not None
+            else torch.ones((), dtype=torch.float64, device=self.device)
+        )
+        for name, kind in self.kinds.items():
+            meta = self.plan.targets[name]
+            value = self._own(name, self.aligned)
+            if kind == Reduce.SUM:
+                total = value if value is not None else _fill(meta, 0, self.device)
+                self.slots[f"sum:{name}"] = buckets.add("sum", total)
+            elif kind == Reduce.MEAN:
+                if value is None:
+                    value = _fill(meta, math.inf, self.device)
+                present = torch.isfinite(value)
+                weighted = torch.where(present, value.to(torch.float64) * weight, 0.0)
+                self.slots[f"num:{name}"] = buckets.add("sum", weighted)
+                self.slots[f"den:{name}"] = buckets.add(
+                    "sum", torch.where(present, weight, 0.0)
+                )
+            elif kind in (Reduce.LATEST, Reduce.GRID):
+                source = self.plan.sources[name]
+                if source is None:
+                    continue
+                own = value if self.rank == source else None
+                self.slots[f"bits:{name}"] = buckets.add_bits(
+                    meta[0], meta[1], self.device, own
+                )
+
+    def store(self, buckets: _Buckets) -> None:
+        """Write the combined statistic into the observer."""
+        state: dict[str, torch.Tensor] = {}
+        for name, kind in self.kinds.items():
+            if kind in (Reduce.MIN, Reduce.MAX, Reduce.EQUAL):
+                state[name] = self.reduced[name]
+            elif kind == Reduce.SUM:
+                state[name] = buckets.get(self.slots[f"sum:{name}"])
+            elif kind == Reduce.MEAN:
+                num = buckets.get(self.slots[f"num:{name}"])
+                den = buckets.get(self.slots[f"den:{name}"])
+                own = self.aligned.get(
+                    name, _fill(self.plan.targets[name], math.inf, self.device)
+                )
+                mean = torch.where(
+                    den > 0, num / den.clamp_min(1e-300), own.to(torch.float64)
+                )
+                state[name] = mean.to(self.plan.targets[name][1])
+            elif f"bits:{name}" in self.slots:
+                state[name] = buckets.get_bits(self.slots[f"bits:{name}"])
+            else:
+                state[name] = self.aligned[name]
+        stat = self.stat.from_state(state, **self.obs.statistic_config())
+        self.obs._store(stat)
+
+
+@torch.no_grad()
+def sync_observers(
+    observers: Sequence[ObserverEngine], group: ProcessGroup | None = None
+) -> None:
+    """Give every process the statistics of all processes' batches.
+
+    Every process passes the same observers (same order, classes and
+    settings), each having observed its own shard of the batches; afterwards
+    each observer holds, on every process, the statistic one process
+    observing every batch would hold: exactly for exact statistics (min-max,
+    power-of-two histograms, summed candidate errors up to the order of
+    their float64 sums), as the module table says for the others.
+    `Observer` counts (`num_observations`, `num_observed_tokens`) are summed.
+    Call it once: a second call would count every process's data again.
+    Outside `torch.distributed` (or for a group of one) it does nothing.
+
+    Collectives: one `all_gather_object`, then one all-reduce per (op, wire
+    dtype) for all observers together (module docstring).
+
+    Args:
+        observers: this process's observers.
+        group: the process group (default: the world).
+
+    Raises (on every process alike):
+        ValueError: different observers across processes, qparam or field
+            shapes that differ, or EQUAL fields (a `static_mse` reference)
+            that differ (the message names the observer and the field).
+    """
+    rank, world = rank_and_world(group)
+    if world <= 1:
+        return
+    reports = _gather([_report(obs) for obs in observers], world, group)
+    _check_same_observers(reports, "sync_observers")
+    syncs: list[_Sync] = []
+    for i, obs in enumerate(observers):
+        stype = obs.statistic_type()
+        plan = (
+            None if stype is None else _plan(i, stype, [r[i] for r in reports], world)
+        )
+        if plan is not None:
+            syncs.append(_Sync(i, obs, plan, rank))
+    extremes = _Buckets(group, world)
+    for sync in syncs:
+        sync.add_extremes(extremes)
+    extremes.run()
+    differ = []
+    for sync in syncs:
+        for name in sync.take_extremes(extremes):
+            differ.append(
+                f"observer {sync.index} ({sync.obs._describe()}): "
+                f"{type(sync.stat).__name__}.{name}"
+            )
+    if differ:
+        raise ValueError(
+            "sync_observers: fields that must be equal on every process (a "
+            "shared reference, Reduce.EQUAL) differ: "
+            + "; ".join(differ)
+            + "; give every process the same reference before observing "
+            "(agree_references)"
+        )
+    sums = _Buckets(group, world)
+    for sync in syncs:
+        sync.add_sums(sums)
+    sums.run()
+    for sync in syncs:
+        sync.store(sums)
+    for i, obs in enumerate(observers):
+        if isinstance(obs, Observer):
+            _sum_counts(obs, [r[i].counts for r in reports])
+
+
+def _sum_counts(obs: Observer, counts: list[tuple[int, int | None] | None]) -> None:
+    found = [c for c in counts if c is not None]
+    obs.num_observations = sum(c[0] for c in found)
+    tokens = [c[1] for c in found if c[1] is not None]
+    obs.num_observed_tokens = sum(tokens) if tokens else None
+
+
+# ---------------------------------------------------------- agree_references
+
+
+def _reference_fields(index: int, obs: ObserverEngine) -> set[str]:
+    """The EQUAL fields (the reference) of an observer's statistic.
+
+    Raises:
+        TypeError: the observer keeps no reference.
+    """
+    stype = obs.statistic_type()
+    names = (
+        set()
+        if stype is None
+        else {f.name for f in stype.fields if f.reduce == Reduce.EQUAL}
+    )
+    if not names:
+        raise TypeError(
+            f"agree_references: observer {index} ({obs._describe()}) keeps no "
+            "reference range (no Reduce.EQUAL field); pass only observers "
+            "such as static_mse"
+        )
+    return names
+
+
+@torch.no_grad()
+def agree_references(
+    observers: Sequence[ObserverEngine], group: ProcessGroup | None = None
+) -> None:
+    """Give every process the reference range of the lowest process that has
+    one, with nothing accumulated yet.
+
+    For observers whose statistic keeps a reference (Reduce.EQUAL fields,
+    e.g. `static_mse`'s `CandidateErrors`). Each process has set (or not) a
+    reference, typically by observing its first batch; afterwards each
+    observer is reset (statistic and counts) and holds, on every process,
+    the reference of the lowest rank that had one (none if no rank had).
+    Then observe every batch and `sync_observers`: with contiguous or
+    round-robin shards the lowest rank's first batch is the global first
+    batch, so the result equals one process observing every batch.
+    Outside `torch.distributed` each observer keeps its own reference.
+
+    Collectives: one `all_gather_object` and one int64 all-reduce.
+
+    Raises:
+        TypeError: an observer that keeps no reference.
+        ValueError: different observers across processes (on every process).
+    """
+    rank, world = rank_and_world(group)
+    mine = []
+    for i, obs in enumerate(observers):
+        names = _reference_fields(i, obs)
+        stat = obs.statistic()
+        if stat is None or not bool(getattr(stat, "has_reference", True)):
+            mine.append(_Report(_kind(obs), None, {}, None))
+            continue
+        fields = {
+            n: (tuple(v.shape), v.dtype) for n, v in stat.state().items() if n in names
+        }
+        mine.append(_Report(_kind(obs), stat.qparam_shape, fields, None))
+    reports = _gather(mine, world, group) if world > 1 else [mine]
+    _check_same_observers(reports, "agree_references")
+    buckets = _Buckets(group, world)
+    chosen: list[tuple[tuple[int, ...], torch.device, dict[str, _BitSlot]] | None] = []
+    for i, obs in enumerate(observers):
+        holders = [r for r in range(world) if reports[r][i].qshape is not None]
+        if not holders:
+            chosen.append(None)
+            continue
+        source = reports[holders[0]][i]
+        stat = obs.statistic()
+        own = stat.state() if rank == holders[0] and stat is not None else {}
+        device = (
+            next(iter(stat.state().values())).device
+            if stat is not None
+            else obs._device_marker.device
+        )
+        slots = {
+            name: buckets.add_bits(shape, dtype, device, own.get(name))
+            for name, (shape, dtype) in source.fields.items()
+        }
+        chosen.append((source.qshape or (), device, slots))
+    buckets.run()
+    for obs, found in zip(observers, chosen, strict=True):
+        obs.reset()
+        if found is None:
+            continue
+        qshape, device, slots = found
+        empty = obs._new_statistic(qshape, device)
+        reference = {name: buckets.get_bits(slot) for name, slot in slots.items()}
+        obs._store(empty.replace(**reference))
+
+
+# --------------------------------------------------------- weights by owner
+
+
+def owners_by_size(sizes: Sequence[int], world_size: int) -> list[int]:
+    """Deal items to processes so that their total sizes balance.
+
+    Greedy and deterministic: the largest item first (ties: the lower index)
+    goes to the least-loaded process (ties: the lower rank). Every process
+    computes the same answer, so each knows which weights it observes.
+
+    Args:
+        sizes: each item's size (e.g. a weight's `numel()`), `>= 0`.
+        world_size: the number of processes, `>= 1`.
+
+    Returns:
+        The owning rank of each item, in the order of `sizes`.
+
+    Raises:
+        ValueError: `world_size < 1` or a negative size.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if any(s < 0 for s in sizes):
+        raise ValueError("owners_by_size needs sizes >= 0")
+    loads = [(0, rank) for rank in range(world_size)]  # a heap of (load, rank)
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + sizes[i], rank))
+    return owners
+
+
+def _packed(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive runs of items (by index into `sizes`) of at most `limit`
+    aligned bytes each (an item larger than `limit` alone)."""
+    runs: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        padded = -(-size // _ALIGN) * _ALIGN
+        if not runs or used + padded > limit:
+            runs.append([])
+            used = 0
+        runs[-1].append(i)
+        used += padded
+    return runs
+
+
+@torch.no_grad()
+def broadcast_from_owners(
+    tensors: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    group: ProcessGroup | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Give every process each tensor's value on its owner, in place.
+
+    Every process passes tensors of the same shapes and dtypes in the same
+    order, and the same owners (e.g. from `owners_by_size`); afterwards each
+    tensor holds, bit for bit, its owner's values. Each owner's tensors
+    travel as their bytes packed together (any dtypes, float8 included):
+    one `all_gather_object` (checking shapes, dtypes and owners), then one
+    broadcast per owner (that owns any), or more where they exceed
+    `bucket_bytes`, from the device of the owner's first tensor. Outside
+    `torch.distributed` it does nothing.
+
+    Args:
+        tensors: this process's tensors (written in place where not owned).
+        owners: the owning rank of each tensor.
+        group: the process group (default: the world); owners are its ranks.
+        bucket_bytes: the largest packed buffer (a larger tensor goes alone).
+
+    Raises:
+        ValueError: `owners` and `tensors` differ in length, an owner is not
+            a rank of the group, or (on every process alike) the processes
+            passed different owners, or a tensor whose shape or dtype differs
+            from its owner's.
+    """
+    if len(tensors) != len(owners):
+        raise ValueError(
+            f"broadcast_from_owners got {len(tensors)} tensors but {len(owners)} owners"
+        )
+    rank, world = rank_and_world(group)
+    bad = sorted({o for o in owners if not 0 <= o < world})
+    if bad:
+        raise ValueError(f"owners {bad} are not ranks of a group of {world}")
+    if world <= 1:
+        return
+    _check_same_tensors(tensors, owners, world, group)
+    for owner in range(world):
+        indices = [i for i, o in enumerate(owners) if o == owner and tensors[i].numel()]
+        if not indices:
+            continue
+        wire = _wire_device(tensors[indices[0]].device, group)
+        nbytes = [tensors[i].numel() * tensors[i].element_size() for i in indices]
+        for run in _packed(nbytes, bucket_bytes):
+            chosen = [tensors[indices[k]] for k in run]
+            _broadcast_packed(chosen, rank == owner, owner, wire, group)
+
+
+def _check_same_tensors(
+    tensors: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    world: int,
+    group: ProcessGroup | None,
+) -> None:
+    """Raise (on every process alike) unless every process passed the same
+    owners and each tensor with its owner's shape and dtype."""
+    mine = (list(owners), [(tuple(t.shape), t.dtype) for t in tensors])
+    found = _gather(mine, world, group)
+    if any(theirs != found[0][0] for theirs, _ in found):
+        raise ValueError(
+            "broadcast_from_owners: the processes passed different owners; "
+            "pass the same tensors and owners in the same order on every process"
+        )
+    for i, owner in enumerate(found[0][0]):
+        shape, dtype = found[owner][1][i]
+        for rank, (_, metas) in enumerate(found):
+            if metas[i] != (shape, dtype):
+                raise ValueError(
+                    f"broadcast_from_owners: tensor {i} is {metas[i][0]} "
+                    f"{metas[i][1]} on rank {rank} but {shape} {dtype} on its "
+                    f"owner, rank {owner}; every process must pass tensors of "
+                    "the owner's shapes and dtypes"
+                )
+
+
+def _broadcast_packed(
+    tensors: list[torch.Tensor],
+    mine: bool,
+    owner: int,
+    device: torch.device,
+    group: ProcessGroup | None,
+) -> None:
+    """One broadcast of `tensors`' bytes from `owner`, unpacked elsewhere."""
+    offsets = []
+    end = 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(end, dtype=torch.uint8, device=device)
+    if mine:
+        for tensor, start in zip(tensors, offsets, strict=True):
+            raw = tensor.detach().reshape(-1).view(torch.uint8)
+            buffer[start : start + raw.numel()].copy_(raw)
+    dist.broadcast(buffer, src=_global_rank(group, owner), group=group)
+    if mine:
+        return
+    for tensor, start in zip(tensors, offsets, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        raw = buffer[start : start + nbytes]
+        tensor.copy_(raw.view(tensor.dtype).view(tensor.shape))
