@@ -251,3 +251,14 @@ def test_calibrate_needs_observers_and_distributed_sync_needs_a_group() -> None:
     attach(model, Recipe.from_scheme("FP8"))
     with pytest.raises(RuntimeError, match=r"initialized torch\.distributed"):
         calibrate(model, [torch.randn(2, 16)], sync=True)
+
+
+def test_progress_bar_on_request_and_off_when_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    attach(model, Recipe.from_scheme("FP8"))
+    calibrate(model, [torch.randn(2, 16)] * 3, progress=True)
+    assert "calibrating" in capsys.readouterr().err
+    calibrate(model, [torch.randn(2, 16)] * 3)  # stderr is captured: no TTY
+    assert capsys.readouterr().err == ""
