@@ -508,3 +508,31 @@ def models(rank: int, world: int) -> dict[str, Any]:
     mine = shard(rank, world)
     names = [*MODEL_OBSERVERS, "NVFP4"]
     return {name: calibrate_model(name, mine, sync=True) for name in names}
+
+
+def continued(path: str, rank: int, world: int) -> dict[str, Any]:
+    """Synced calibrations continued: twice in a row, and resumed from the
+    state process 0 saved (every rank loads it), on halves of each shard."""
+    from quantobs.calibration import attach, calibrate, load_state, save_state
+    from tests.calibration.conftest import tiny_llama
+
+    mine = shard(rank, world)
+    first, second = mine[: len(mine) // 2], mine[len(mine) // 2 :]
+    data = model_batches()
+    found: dict[str, Any] = {}
+    for name in ("histogram", "static_mse"):
+        model = tiny_llama()
+        attach(model, model_recipe(name))
+        calibrate(model, [data[i] for i in first], progress=False, sync=True)
+        if rank == 0:
+            save_state(model, f"{path}/{name}.safetensors")
+        dist.barrier()
+        calibrate(model, [data[i] for i in second], progress=False, sync=True)
+        resumed = tiny_llama()
+        attach(resumed, model_recipe(name))
+        load_state(resumed, f"{path}/{name}.safetensors")
+        report = calibrate(
+            resumed, [data[i] for i in second], progress=False, sync=True
+        )
+        found[name] = (model_qparams(model), model_qparams(resumed), report.tokens)
+    return found

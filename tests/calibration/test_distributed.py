@@ -389,3 +389,22 @@ def test_synced_model_calibration_equals_one_process(
         for key, value in expected.items():
             assert torch.equal(found[key], value), (rank, key)
         assert found_tokens == tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_synced_calibration_continues_and_resumes_exactly(
+    world: int, tmp_path: Path
+) -> None:
+    """Two synced calls on halves of each shard, and a resume from process
+    0's saved state, equal one process calibrating on every batch."""
+    target = functools.partial(workers.continued, str(tmp_path))
+    runs = workers.launch(target, world, tmp_path / "out")
+    for name in ("histogram", "static_mse"):
+        expected, tokens = one_process_model(name)
+        for rank, run in enumerate(runs):
+            continued, resumed, found_tokens = run[name]
+            for key, value in expected.items():
+                assert torch.equal(continued[key], value), (rank, key)
+                assert torch.equal(resumed[key], value), (rank, key)
+            assert found_tokens == tokens

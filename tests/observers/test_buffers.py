@@ -106,3 +106,34 @@ def test_a_fresh_observer_loads_nothing_and_an_empty_state() -> None:
     used.update(torch.randn(4, 8))
     used.load_state_dict(fresh.state_dict())  # a state without statistics
     assert not used.has_statistics and used.num_observations == 0
+
+
+def test_clear_data_keeps_only_the_shared_reference() -> None:
+    """`clear_data` empties the statistic but keeps EQUAL fields (static_mse's
+    reference): the identity of a merge under the same settings."""
+    import quantobs
+    from quantobs.stats.candidate_errors import CandidateErrors
+
+    args = quantobs.QuantizationArgs(num_bits=8, strategy="tensor")
+    mse = quantobs.Observer.load_from_registry(
+        "static_mse", base_name="input", args=args
+    )
+    mse.update(torch.randn(64, 16))
+    before = mse.statistic()
+    assert isinstance(before, CandidateErrors)
+    mse.clear_data()
+    after = mse.statistic()
+    assert isinstance(after, CandidateErrors)
+    assert torch.equal(after.ref_min, before.ref_min)
+    assert torch.equal(after.ref_max, before.ref_max)
+    assert not after.errors.any() and mse.num_observations == 0
+    histogram = load("histogram", base_name="input", args=args)
+    histogram.update(torch.randn(64, 16))
+    histogram.clear_data()
+    stat = histogram.statistic()
+    assert stat is not None and int(stat.counts.sum()) == 0  # type: ignore[attr-defined]
+    fresh = quantobs.Observer.load_from_registry(
+        "static_minmax", base_name="input", args=args
+    )
+    fresh.clear_data()
+    assert not fresh.has_statistics

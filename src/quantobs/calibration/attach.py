@@ -115,14 +115,12 @@ class Attachment:
         handles: the hooks registered.
         attn_impl: the model's attention implementation before attach (None
             when no attention state is observed).
-        weights_observed: whether `calibrate` observed the weights.
     """
 
     recipe: Recipe
     entries: list[Entry] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
     attn_impl: str | None = None
-    weights_observed: bool = False
 
     def by_key(self) -> dict[str, Entry]:
         """Entries by `Entry.key`."""

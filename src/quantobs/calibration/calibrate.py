@@ -32,7 +32,9 @@ from quantobs.calibration.qparams import (
     fused_groups,
     set_qparams,
 )
+from quantobs.observers.base import Observer
 from quantobs.observers.mse import StaticMSEObserver
+from quantobs.stats.candidate_errors import CandidateErrors
 
 __all__ = ["CalibrationReport", "calibrate", "sync", "text_batches", "write_qparams"]
 
@@ -164,10 +166,6 @@ def write_qparams(
     return fell_back
 
 
-def _weight_groups(attachment: Attachment) -> list[list[Entry]]:
-    return fused_groups(attachment.entries)
-
-
 def calibrate(
     model: torch.nn.Module,
     batches: Iterable[Any],
@@ -200,7 +198,7 @@ def calibrate(
     """
     attachment = attachment_of(model)
     start = time.perf_counter()
-    groups = _weight_groups(attachment)
+    groups = fused_groups(attachment.entries)
     owned = groups
     if sync:
         from quantobs.calibration import distributed as dist
@@ -216,9 +214,7 @@ def calibrate(
         owned = [g for g, o in zip(groups, owners, strict=True) if o == rank]
     batches = batches if isinstance(batches, Sequence) else list(batches)
     with torch.no_grad():
-        if not attachment.weights_observed:
-            _observe_weights(e for g in owned for e in g)
-            attachment.weights_observed = True
+        _observe_weights(e for g in owned for e in g if not e.observer.has_statistics)
         if sync:
             _agree_references(model, attachment, batches, process_group)
         count = 0
@@ -236,6 +232,7 @@ def calibrate(
     tokens = {e.key: e.tokens for e in attachment.entries if e.base_name != "weight"}
     if sync:
         tokens = _summed_tokens(tokens, process_group)
+        _keep_totals_on_first(attachment, tokens, process_group)
     return CalibrationReport(
         modules=modules,
         tokens=tokens,
@@ -276,9 +273,7 @@ def _agree_references(
     from quantobs.calibration import distributed as dist
 
     entries = [
-        e
-        for e in _activation_entries(attachment)
-        if isinstance(e.observer, StaticMSEObserver) and not e.observer.has_statistics
+        e for e in _activation_entries(attachment) if _lacks_reference(e.observer)
     ]
     if not dist.any_across(bool(entries), group):
         return
@@ -294,10 +289,34 @@ def _agree_references(
                 entry.enabled = True
         for entry in entries:  # keep the reference, drop that batch's errors
             entry.tokens = tokens[entry.key]
-            observer = entry.observer
-            if isinstance(observer, StaticMSEObserver):
-                observer.clear_errors()
+            entry.observer.clear_data()
     dist.agree_references([e.observer for e in entries], group)
+
+
+def _lacks_reference(observer: Observer) -> bool:
+    """Whether a `static_mse` observer has yet to fix its reference range."""
+    if not isinstance(observer, StaticMSEObserver):
+        return False
+    stat = observer.statistic()
+    return not (isinstance(stat, CandidateErrors) and stat.has_reference)
+
+
+def _keep_totals_on_first(
+    attachment: Attachment, tokens: dict[str, int], group: Any
+) -> None:
+    """After a sync every process holds the combined statistics; keep them
+    (and the token totals) on process 0 only and empty the others, so that
+    a later synced `calibrate` (or `save_state` on process 0) counts every
+    batch once."""
+    from quantobs.calibration import distributed as dist
+
+    rank, _ = dist.rank_and_world(group)
+    for entry in _activation_entries(attachment):
+        if rank == 0:
+            entry.tokens = tokens[entry.key]
+        else:
+            entry.tokens = 0
+            entry.observer.clear_data()
 
 
 def _synced_qparams(

@@ -9,8 +9,12 @@ back into a model with the same recipe attached, so that::
     calibrate(A); save_state; (crash) attach; load_state; calibrate(B)
 
 gives the qparams `calibrate(A then B)` gives, bit for bit, for every
-observer whose statistic merges exactly. The file is written to a temporary
-name beside `path` and renamed into place: never half-written.
+observer whose statistic merges exactly. Under `torch.distributed`, save on
+process 0 after a synced `calibrate` (it holds the combined statistics) and
+load on every process (the others keep only the shared settings, such as
+`static_mse`'s reference), then go on with `calibrate(..., sync=True)`.
+The file is written to a temporary name beside `path` and renamed into
+place: never half-written.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from quantobs.calibration.attach import attachment_of
+from quantobs.calibration.attach import Attachment, attachment_of
 
 __all__ = ["FORMAT_VERSION", "load_state", "save_state"]
 
@@ -71,7 +75,6 @@ def save_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
         "format": str(FORMAT_VERSION),
         "quantobs_version": __version__,
         "recipe": attachment.recipe.to_json(),
-        "weights_observed": json.dumps(attachment.weights_observed),
         "entries": json.dumps(entries, sort_keys=True),
     }
     target = Path(path)
@@ -140,4 +143,18 @@ def load_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
             state[_EXTRA] = saved["extra"]
         entry.observer.load_state_dict(state)
         entry.tokens = int(saved["tokens"])
-    attachment.weights_observed = bool(json.loads(header["weights_observed"]))
+    _keep_on_first_process(attachment)
+
+
+def _keep_on_first_process(attachment: Attachment) -> None:
+    """Under `torch.distributed`, process 0 keeps the loaded activation
+    statistics and the others an empty state with the same shared settings
+    (what a synced `calibrate` leaves), so a synced resume counts them once."""
+    from quantobs.calibration.distributed import rank_and_world
+
+    if rank_and_world()[0] == 0:
+        return
+    for entry in attachment.entries:
+        if entry.base_name != "weight":
+            entry.observer.clear_data()
+            entry.tokens = 0

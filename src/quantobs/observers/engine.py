@@ -31,7 +31,7 @@ from typing import Any, ClassVar, TypeVar, get_args
 import torch
 
 from quantobs.core.qparams import all_finite
-from quantobs.stats.base import Batch, Statistic
+from quantobs.stats.base import Batch, Reduce, Statistic
 from quantobs.stats.reduce import (
     NanPolicy,
     count_nonfinite,
@@ -287,6 +287,24 @@ class ObserverEngine(torch.nn.Module):
                 self._store(mine.merge(theirs))
         self._merged(other)
         return self
+
+    @torch.no_grad()
+    def clear_data(self) -> None:
+        """Forget the observed data but keep what processes must share (the
+        statistic's EQUAL fields, e.g. `static_mse`'s reference range): the
+        identity of a merge under the same settings. Without a statistic,
+        the same as `reset()`."""
+        stat = self.statistic()
+        self.reset()
+        if stat is None:
+            return
+        device = next(iter(stat.state().values())).device
+        fresh = self._new_statistic(stat.qparam_shape, device).state()
+        state = stat.state()
+        for field in type(stat).fields:
+            if field.reduce == Reduce.EQUAL and field.name in state:
+                fresh[field.name] = state[field.name]
+        self._store(type(stat).from_state(fresh, **self.statistic_config()))
 
     def _initial_statistic(self) -> Statistic | None:
         """The statistic after `reset()` (None: no buffers at all)."""

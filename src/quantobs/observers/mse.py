@@ -180,15 +180,6 @@ class StaticMSEObserver(Observer):
             )
         self._store(self._empty().with_reference(min_vals, max_vals))
 
-    @torch.no_grad()
-    def clear_errors(self) -> None:
-        """Forget the accumulated errors and counts but keep the reference
-        range (a reference-only pass, e.g. before a distributed calibration)."""
-        stat = self.statistic()
-        self.reset()
-        if isinstance(stat, CandidateErrors) and stat.has_reference:
-            self._store(stat.replace(errors=torch.zeros_like(stat.errors)))
-
     def _range(self, stat: Statistic) -> Range:
         assert isinstance(stat, CandidateErrors)
         return stat.best_range()
