@@ -115,9 +115,8 @@ def test_clear_data_keeps_only_the_shared_reference() -> None:
     from quantobs.stats.candidate_errors import CandidateErrors
 
     args = quantobs.QuantizationArgs(num_bits=8, strategy="tensor")
-    mse = quantobs.Observer.load_from_registry(
-        "static_mse", base_name="input", args=args
-    )
+    load = quantobs.Observer.load_from_registry
+    mse = load("static_mse", base_name="input", args=args)
     mse.update(torch.randn(64, 16))
     before = mse.statistic()
     assert isinstance(before, CandidateErrors)
