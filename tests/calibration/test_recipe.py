@@ -72,6 +72,7 @@ def test_compressed_tensors_round_trip() -> None:
     assert isinstance(config, ct.QuantizationConfig)
     assert config.format == "pack-quantized"
     assert Recipe.from_compressed_tensors(config) == recipe
+    assert Recipe.from_compressed_tensors(recipe.to_compressed_tensors()) == recipe
     as_dict = config.model_dump()
     assert Recipe.from_compressed_tensors(as_dict) == recipe
     # compressed-tensors' own preset expands to the same args

@@ -1,12 +1,13 @@
 """Calibrating whole models: attach observers, calibrate, save / resume,
 sync across processes, export a compressed-tensors checkpoint.
 
-The five lines from a Hugging Face model to scales on every layer::
+From a Hugging Face model to a compressed-tensors checkpoint::
 
-    from quantobs.calibration import Recipe, attach, calibrate, text_batches
+    from quantobs.calibration import attach, calibrate, save_compressed, text_batches
 
-    attach(model, Recipe.from_scheme("W8A8", ignore=["re:.*pooler.*"]))
+    attach(model, Recipe.from_scheme("W4A16", ignore=["re:.*pooler.*"]))
     report = calibrate(model, text_batches(tokenizer, sentences))
+    save_compressed(model, "out/")
 """
 
 from quantobs.calibration.attach import (
@@ -25,6 +26,11 @@ from quantobs.calibration.calibrate import (
     write_qparams,
 )
 from quantobs.calibration.distributed import sync_observers
+from quantobs.calibration.export import (
+    SUPPORTED_FORMATS,
+    checkpoint_formats,
+    save_compressed,
+)
 from quantobs.calibration.qparams import (
     DEFAULT_EMPTY_RANGE,
     FUSED_LAYER_NAMES,
@@ -36,6 +42,7 @@ __all__ = [
     "DEFAULT_EMPTY_RANGE",
     "DEFAULT_OBSERVERS",
     "FUSED_LAYER_NAMES",
+    "SUPPORTED_FORMATS",
     "Attachment",
     "CalibrationReport",
     "Entry",
@@ -43,9 +50,11 @@ __all__ = [
     "attach",
     "attachment_of",
     "calibrate",
+    "checkpoint_formats",
     "detach",
     "load_state",
     "observers_of",
+    "save_compressed",
     "save_state",
     "sync",
     "sync_observers",

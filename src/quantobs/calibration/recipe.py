@@ -235,9 +235,10 @@ class Recipe(BaseModel):
             }
             groups[name] = CTScheme(targets=list(scheme.targets), **parts)
         kv = self.kv_cache_scheme
+        extra = {} if format is None else {"format": format}
         return QuantizationConfig(
             config_groups=groups,
             ignore=list(self.ignore),
             kv_cache_scheme=None if kv is None else kv.to_compressed_tensors(),
-            format=format,
+            **extra,
         )
