@@ -449,20 +449,15 @@ class _Sync:
             value = self._own(name, self.state)
             if kind == Reduce.EQUAL and not self.holds:
                 value = None
-            if kind in (Reduce.MIN, Reduce.EQUAL):
-                low = (
-                    value
-                    if value is not None
-                    else _fill(meta, _extreme(meta[1], True), self.device)
-                )
-                self.slots[f"min:{name}"] = buckets.add("min", low)
-            if kind in (Reduce.MAX, Reduce.EQUAL):
-                high = (
-                    value
-                    if value is not None
-                    else _fill(meta, _extreme(meta[1], False), self.device)
-                )
-                self.slots[f"max:{name}"] = buckets.add("max", high)
+            for op, reduce, identity_is_largest in (
+                ("min", Reduce.MIN, True),
+                ("max", Reduce.MAX, False),
+            ):
+                if kind not in (reduce, Reduce.EQUAL):
+                    continue
+                identity = _extreme(meta[1], identity_is_largest)
+                own = value if value is not None else _fill(meta, identity, self.device)
+                self.slots[f"{op}:{name}"] = buckets.add(op, own)
 
     def take_extremes(self, buckets: _Buckets) -> list[str]:
         """Read the reduced MIN / MAX fields; returns the EQUAL fields that
