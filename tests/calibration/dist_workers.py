@@ -499,7 +499,8 @@ def calibrate_model(
     else:
         attach(model, Recipe.from_scheme(name, ignore=["lm_head"]))
     data = model_batches()
-    report = calibrate(model, [data[i] for i in indices], progress=False, sync=sync)
+    streamed = (data[i] for i in indices)  # a generator: never held whole
+    report = calibrate(model, streamed, progress=False, sync=sync)
     return model_qparams(model), report.tokens
 
 

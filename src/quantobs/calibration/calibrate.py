@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -136,7 +137,7 @@ def _progress(batches: Iterable[Any], enabled: bool | None) -> Iterable[Any]:
         return batches
     from tqdm.auto import tqdm
 
-    total = len(batches) if isinstance(batches, Sequence) else None
+    total = len(batches) if isinstance(batches, Sized) else None
     return tqdm(batches, total=total, desc="calibrating", unit="batch")
 
 
@@ -212,13 +213,15 @@ def calibrate(
         sizes = [sum(e.weight.numel() for e in g) for g in groups]
         owners = dist.owners_by_size(sizes, world)
         owned = [g for g, o in zip(groups, owners, strict=True) if o == rank]
-    batches = batches if isinstance(batches, Sequence) else list(batches)
+    first = None
+    if sync:  # its first batch fixes the static_mse references
+        batches, first = _peek(batches)
     with torch.no_grad():
         _observe_weights(e for g in owned for e in g if not e.observer.has_statistics)
         if sync:
-            _agree_references(model, attachment, batches, process_group)
+            _agree_references(model, attachment, first, process_group)
         count = 0
-        for batch in _progress(batches, progress):
+        for batch in _progress(batches, progress):  # streamed, never all held
             _forward(model, batch)
             count += 1
         if sync:
@@ -240,6 +243,15 @@ def calibrate(
         batches=count,
         seconds=time.perf_counter() - start,
     )
+
+
+def _peek(batches: Iterable[Any]) -> tuple[Iterable[Any], Any]:
+    """`(the same batches, the first one or None)`, streaming an iterator."""
+    if isinstance(batches, Sequence):
+        return batches, (batches[0] if batches else None)
+    iterator = iter(batches)
+    first = next(iterator, None)
+    return (iterator if first is None else chain([first], iterator)), first
 
 
 def _activation_entries(attachment: Attachment) -> list[Entry]:
@@ -264,7 +276,7 @@ def sync(model: torch.nn.Module, process_group: Any = None) -> None:
 def _agree_references(
     model: torch.nn.Module,
     attachment: Attachment,
-    batches: Sequence[Any],
+    first: Any,
     group: Any,
 ) -> None:
     """Give every process's `static_mse` activation observers the reference
@@ -277,13 +289,13 @@ def _agree_references(
     ]
     if not dist.any_across(bool(entries), group):
         return
-    if entries and batches:
+    if entries and first is not None:
         chosen = {id(e) for e in entries}
         for entry in attachment.entries:
             entry.enabled = id(entry) in chosen
         tokens = {e.key: e.tokens for e in entries}
         try:
-            _forward(model, batches[0])  # each reference from the first batch
+            _forward(model, first)  # each reference from the first batch
         finally:
             for entry in attachment.entries:
                 entry.enabled = True
