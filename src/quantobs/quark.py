@@ -1,0 +1,7 @@
+"""`quantobs.quark`: the same module as `quantobs.faces.quark` (a shorter name)."""
+
+import sys
+
+from quantobs.faces import quark as _face
+
+sys.modules[__name__] = _face
