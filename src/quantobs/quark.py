@@ -1,4 +1,4 @@
-"""`quantobs.quark`: the same module as `quantobs.faces.quark` (a shorter name)."""
+"""`quantobs.quark`: the module `quantobs.faces.quark` (a shorter name)."""
 
 import sys
 

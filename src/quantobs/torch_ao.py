@@ -1,4 +1,4 @@
-"""`quantobs.torch_ao`: the same module as `quantobs.faces.torch_ao` (a shorter name)."""
+"""`quantobs.torch_ao`: the module `quantobs.faces.torch_ao` (a shorter name)."""
 
 import sys
 
