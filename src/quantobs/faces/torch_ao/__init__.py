@@ -15,7 +15,9 @@ numbers bit for bit (torch 2.13), `with_args` / `with_callable_args`, and the
 exception types torch raises (ours also derive from `ValueError`, see
 `quantobs.faces.torch_ao.errors`). When `torch.ao.quantization` is importable, each
 class registers as a virtual subclass of its torch counterpart, so torch's
-own flows (`prepare` / `convert`, FX, `FakeQuantize`) recognise them.
+own flows (`prepare` / `convert`, FX, `FakeQuantize`) recognise them; the
+same holds for torchao's copies (`torchao.quantization.pt2e.observer`, the
+PT2E flow) once torchao is loaded (`quantobs.integrations.torchao`).
 
 Every class is a thin adapter over the observer engine
 (`quantobs.observers.engine.ObserverEngine`): the statistic (`MinMax`,
@@ -60,7 +62,11 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 from __future__ import annotations
 
 from quantobs.core.qparams.torch_rule import torch_qparams, torch_quant_range
-from quantobs.faces.torch_ao.base import ObserverBase, UniformQuantizationObserverBase
+from quantobs.faces.torch_ao.base import (
+    ObserverBase,
+    UniformQuantizationObserverBase,
+    register_twins,
+)
 from quantobs.faces.torch_ao.defaults import (
     default_affine_fixed_qparams_observer,
     default_debug_observer,
@@ -163,10 +169,7 @@ def _register_with_torch_ao() -> None:
         from torch.ao.quantization import observer as torch_observer
     except ImportError:  # pragma: no cover - a torch without torch.ao
         return
-    for cls in _TWINS:
-        twin = getattr(torch_observer, cls.__name__, None)
-        if twin is not None and hasattr(twin, "register"):
-            twin.register(cls)
+    register_twins(torch_observer, _TWINS)
 
 
 _register_with_torch_ao()

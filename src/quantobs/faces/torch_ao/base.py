@@ -32,7 +32,9 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -54,9 +56,11 @@ from quantobs.stats.base import Statistic
 
 __all__ = [
     "FLOAT32_EPS",
+    "TORCHAO_OBSERVERS",
     "NanPolicy",
     "ObserverBase",
     "UniformQuantizationObserverBase",
+    "register_twins",
     "reject_dynamic",
     "require_qscheme",
     "tensor_view",
@@ -64,6 +68,55 @@ __all__ = [
 
 NanPolicy = Literal["raise", "propagate"]
 FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+#: torchao's copy of torch.ao's observer module: its PT2E flow
+#: (`prepare_pt2e` / `convert_pt2e`) tests `isinstance` against these classes.
+TORCHAO_OBSERVERS = "torchao.quantization.pt2e.observer"
+
+
+def register_twins(observer_module: ModuleType, classes: Iterable[type]) -> None:
+    """Make each class a virtual subclass of its namesake in `observer_module`.
+
+    Then `isinstance(ours, twin)` holds, and flows that test for their own
+    observer classes (torch.ao's `prepare` / `convert`, torchao's PT2E
+    `convert_pt2e`) take ours. Names the module lacks, and namesakes that are
+    not ABCs, are skipped; registering twice is harmless.
+
+    Args:
+        observer_module: torch.ao's `torch.ao.quantization.observer`, or a copy
+            of it (`TORCHAO_OBSERVERS`).
+        classes: this face's observer classes.
+    """
+    for cls in classes:
+        twin = getattr(observer_module, cls.__name__, None)
+        if isinstance(twin, abc.ABCMeta) and not issubclass(cls, twin):
+            twin.register(cls)
+
+
+# Classes already registered with torchao's observer classes (the hook below).
+_torchao_registered: set[type] = set()
+
+
+def _register_with_torchao(cls: type) -> None:
+    """Register `cls` and its face bases with torchao's PT2E observer classes,
+    when torchao's observer module is loaded.
+
+    Called at each construction: torchao's `prepare_pt2e` builds our observers
+    after loading that module, and without the registration its
+    `convert_pt2e` would silently leave them in the graph (float activations).
+    The face never imports torchao itself (a slow import);
+    `quantobs.integrations.torchao` registers every class eagerly.
+    """
+    if cls in _torchao_registered:
+        return
+    module = sys.modules.get(TORCHAO_OBSERVERS)
+    if module is None:
+        return
+    # Only the face's classes: the MRO also holds abc.ABC, and torchao's
+    # module has a class named "ABC" too.
+    package = __name__.rpartition(".")[0]
+    register_twins(module, [c for c in cls.__mro__ if c.__module__.startswith(package)])
+    _torchao_registered.add(cls)
 
 
 class _PartialWrapper:
@@ -73,11 +126,24 @@ class _PartialWrapper:
     construction (e.g. a device chosen late). The attributes `p` (a
     `functools.partial`) and `callable_args` are the ones torch's own code
     reads (`FakeQuantize` looks up `p.keywords["dtype"]`).
+
+    `__name__` is the name of the class it builds: torchao's PT2E `prepare`
+    reads it from a constructor it does not recognise as its own wrapper (it
+    keeps `ch_axis` only for a name with "PerChannel"); torch's wrapper has
+    none and fails there with an AttributeError.
     """
 
     def __init__(self, p: functools.partial[Any]) -> None:
         self.p = p
         self.callable_args: dict[str, Callable[[], Any]] = {}
+
+    @property
+    def __name__(self) -> str:
+        """The name of the class this constructor builds."""
+        func = self.p.func  # a class, another wrapper, or a partial of either
+        while isinstance(func, functools.partial):
+            func = func.func
+        return str(getattr(func, "__name__", type(func).__name__))
 
     def __call__(self, *args: Any, **keywords: Any) -> Any:
         late = {
@@ -153,6 +219,7 @@ class ObserverBase(ObserverEngine, abc.ABC):
         super().__init__(nan_policy=nan_policy)
         self.dtype = dtype
         self.is_dynamic = is_dynamic
+        _register_with_torchao(type(self))
 
     @abc.abstractmethod
     def forward(self, x: Any) -> Any:
