@@ -24,6 +24,7 @@ from quantobs.stats.base import Reduce, Statistic, reduce_states
 from quantobs.stats.bfp import BfpAbsMax
 from quantobs.stats.candidate_errors import CandidateErrors
 from quantobs.stats.histogram import Histogram
+from quantobs.stats.importance import Importance
 from quantobs.stats.minmax import (
     AbsMax,
     LatestAbsMax,
@@ -54,6 +55,7 @@ STATISTICS: dict[str, tuple[type[Statistic], dict[str, Any], tuple[int, ...]]] =
     "quark_histogram": (QuarkHistogram, {"bins": 32, "absolute": True}, ()),
     "bfp": (BfpAbsMax, {}, QSHAPE),
     "torch_histogram": (TorchHistogram, {"bins": 32}, ()),
+    "importance": (Importance, {}, QSHAPE),
 }
 EXACT = [name for name, (cls, _, _) in STATISTICS.items() if cls.exact]
 
@@ -140,7 +142,7 @@ def test_exact_merge_is_observing_the_concatenation(
     first, second = _batch(name, a, 1.0), _batch(name, b, scale)
     merged = _observe(_empty(name), first).merge(_observe(_empty(name), second))
     together = _observe(_empty(name), torch.cat([first, second]))
-    float_sums = name == "candidate_errors"  # sums of float errors
+    float_sums = name in ("candidate_errors", "importance")  # sums of floats
     _same(merged, together, exact=not float_sums)
     # the empty statistic is the identity of the merge
     _same(_empty(name).merge(merged), merged, exact=not float_sums)

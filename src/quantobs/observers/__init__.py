@@ -14,6 +14,15 @@ from quantobs.observers.histogram import (
     PercentileObserver,
     PercentileOptions,
 )
+from quantobs.observers.imatrix import (
+    IMatrixMSEObserver,
+    IMatrixMSEOptions,
+    NVFP4ExpandedIMatrixObserver,
+    NVFP4ExpandedIMatrixOptions,
+    NVFP4ExpandedMSEObserver,
+    NVFP4ExpandedMSEOptions,
+)
+from quantobs.observers.importance import ImportanceGatherer, ImportanceObserver
 from quantobs.observers.minmax import (
     MemorylessMinMaxObserver,
     MinMaxObserver,
@@ -38,6 +47,10 @@ __all__ = [
     "HistogramMSEOptions",
     "HistogramOptions",
     "HistogramStatObserver",
+    "IMatrixMSEObserver",
+    "IMatrixMSEOptions",
+    "ImportanceGatherer",
+    "ImportanceObserver",
     "MSEOptions",
     "MemorylessMSEObserver",
     "MemorylessMinMaxObserver",
@@ -45,6 +58,10 @@ __all__ = [
     "MovingAverageMSEObserver",
     "MovingAverageMSEOptions",
     "MovingAverageOptions",
+    "NVFP4ExpandedIMatrixObserver",
+    "NVFP4ExpandedIMatrixOptions",
+    "NVFP4ExpandedMSEObserver",
+    "NVFP4ExpandedMSEOptions",
     "Observer",
     "ObserverOptions",
     "PercentileObserver",

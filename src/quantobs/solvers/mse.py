@@ -48,7 +48,7 @@ class _Patience:
         improved = self.best is None or bool((errors < self.best).any())
         self.best = errors if self.best is None else torch.minimum(self.best, errors)
         self.stale = 0 if improved else self.stale + 1
-        return self.stale >= self.patience
+        return not improved and self.stale >= self.patience
 
 
 def mse_search(
