@@ -496,6 +496,10 @@ def calibrate_model(
     model = tiny_llama()
     if name in MODEL_OBSERVERS:
         attach(model, model_recipe(name))
+    elif name == "imatrix_mse":  # weights weighted by the inputs' importance
+        weights = {"num_bits": 8, "strategy": "channel", "observer": name}
+        groups = {"g": {"targets": ["Linear"], "weights": weights}}
+        attach(model, Recipe(config_groups=groups, ignore=["lm_head"]))
     else:
         attach(model, Recipe.from_scheme(name, ignore=["lm_head"]))
     data = model_batches()
@@ -507,7 +511,7 @@ def calibrate_model(
 def models(rank: int, world: int) -> dict[str, Any]:
     """`calibrate(sync=True)` of whole models on each rank's shard."""
     mine = shard(rank, world)
-    names = [*MODEL_OBSERVERS, "NVFP4"]
+    names = [*MODEL_OBSERVERS, "NVFP4", "imatrix_mse"]
     return {name: calibrate_model(name, mine, sync=True) for name in names}
 
 

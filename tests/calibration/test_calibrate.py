@@ -262,3 +262,37 @@ def test_progress_bar_on_request_and_off_when_not_a_terminal(
     assert "calibrating" in capsys.readouterr().err
     calibrate(model, [torch.randn(2, 16)] * 3)  # stderr is captured: no TTY
     assert capsys.readouterr().err == ""
+
+
+def test_imatrix_weights_are_weighted_by_the_calibration_inputs() -> None:
+    """`imatrix_mse` weights are searched after the batches, weighted by the
+    importance E[x ** 2] of the inputs the layer saw; detach removes the
+    importance hooks too."""
+    model = tiny_llama()
+    proj = model.model.layers[1].mlp.down_proj
+    inputs: list[torch.Tensor] = []
+    proj.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
+    hooks = len(proj._forward_pre_hooks)
+    recipe = Recipe.from_scheme(
+        "W4A16", targets=["re:.*down_proj$"], weight_observer="imatrix_mse"
+    )
+    attach(model, recipe)
+    calibrate(model, token_batches(3), progress=False)
+    x = torch.cat([i.reshape(-1, proj.in_features) for i in inputs])
+    weights = recipe.config_groups["group_0"].weights
+    assert weights is not None
+    reference = quantobs.Observer.load_from_registry(
+        "imatrix_mse", base_name="weight", args=weights
+    )
+    reference.set_importance(x.pow(2).mean(0))
+    scale, zero_point = reference(proj.weight.detach())
+    assert torch.equal(proj.weight_scale, scale)
+    assert torch.equal(proj.weight_zero_point, zero_point)
+    unweighted = quantobs.Observer.load_from_registry(
+        "imatrix_mse", base_name="weight", args=weights
+    )
+    assert not torch.equal(unweighted(proj.weight.detach())[0], scale)
+    from quantobs.calibration import detach
+
+    detach(model)
+    assert len(proj._forward_pre_hooks) == hooks

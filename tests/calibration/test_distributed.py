@@ -374,7 +374,7 @@ def one_process_model(name: str) -> tuple[dict[str, torch.Tensor], dict[str, int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*workers.MODEL_OBSERVERS, "NVFP4"])
+@pytest.mark.parametrize("name", [*workers.MODEL_OBSERVERS, "NVFP4", "imatrix_mse"])
 def test_synced_model_calibration_equals_one_process(
     model_runs: Runs, name: str
 ) -> None:

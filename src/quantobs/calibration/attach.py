@@ -459,7 +459,11 @@ def _undo(model: torch.nn.Module, attachment: Attachment) -> None:
         handle.remove()
     for entry in attachment.entries:
         observer_name = f"{entry.base_name}_observer"
-        if observer_name in entry.module._modules:
+        observer = entry.module._modules.get(observer_name)
+        stop = getattr(observer, "detach", None)
+        if callable(stop):  # observers with hooks of their own (imatrix)
+            stop()
+        if observer is not None:
             del entry.module._modules[observer_name]
         for attr in ("_quantobs_impl", "_quantobs_entries"):
             entry.module.__dict__.pop(attr, None)

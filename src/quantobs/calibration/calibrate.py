@@ -34,6 +34,7 @@ from quantobs.calibration.qparams import (
     set_qparams,
 )
 from quantobs.observers.base import Observer
+from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.mse import StaticMSEObserver
 from quantobs.stats.candidate_errors import CandidateErrors
 
@@ -141,6 +142,21 @@ def _progress(batches: Iterable[Any], enabled: bool | None) -> Iterable[Any]:
     return tqdm(batches, total=total, desc="calibrating", unit="batch")
 
 
+def _gathers_importance(entry: Entry) -> bool:
+    """Whether a weight's observer weighs its search by the importance of
+    the layer's inputs (`imatrix_mse`...), gathered while the batches run."""
+    return isinstance(getattr(entry.observer, "importance", None), ObserverEngine)
+
+
+def _importance_entries(attachment: Attachment) -> list[Any]:
+    """The weight observers gathering an input importance (every process)."""
+    return [
+        e.observer
+        for e in attachment.entries
+        if e.base_name == "weight" and _gathers_importance(e)
+    ]
+
+
 def _observe_weights(entries: Iterable[Entry]) -> None:
     for entry in entries:
         entry.observer.update(entry.weight.detach())
@@ -216,14 +232,22 @@ def calibrate(
     first = None
     if sync:  # its first batch fixes the static_mse references
         batches, first = _peek(batches)
+    mine = [e for g in owned for e in g]
+    late = [e for e in mine if _gathers_importance(e)]  # need the batches first
     with torch.no_grad():
-        _observe_weights(e for g in owned for e in g if not e.observer.has_statistics)
+        _observe_weights(
+            e for e in mine if e not in late and not e.observer.has_statistics
+        )
         if sync:
             _agree_references(model, attachment, first, process_group)
         count = 0
         for batch in _progress(batches, progress):  # streamed, never all held
             _forward(model, batch)
             count += 1
+        if sync:
+            importance = [o.importance for o in _importance_entries(attachment)]
+            dist.sync_observers(importance, process_group)
+        _observe_weights(late)  # weighted by the importance of their inputs
         if sync:
             qparams, fell_back = _synced_qparams(
                 attachment, groups, owned, on_empty, process_group
@@ -329,6 +353,9 @@ def _keep_totals_on_first(
         else:
             entry.tokens = 0
             entry.observer.clear_data()
+    if rank != 0:
+        for observer in _importance_entries(attachment):
+            observer.importance.clear_data()
 
 
 def _synced_qparams(
