@@ -677,3 +677,24 @@ def test_ddp_sync_equals_one_process(
     assert all(run["weight_unsynced"] for run in runs)
     for run in runs:
         assert "quantobs_histogram_mse" in run["static_mse"]
+
+
+@pytest.mark.slow
+def test_memoryless_mse_on_every_layer_equals_llmcompressor() -> None:
+    """W4A16 on all of MiniLM's linear weights (82,944 groups): every scale
+    equals llm-compressor's `memoryless_mse`. The plug-in scores MSE
+    candidates with torch's float32 arithmetic, as llm-compressor does (the
+    native kernel would flip a near-tie in one group of layer 2's
+    `output.dense`)."""
+    weights = {**W4, "strategy": "group"}
+    theirs, ours = (
+        _qparams(
+            _oneshot(
+                {"w4": {"targets": ["Linear"], "weights": {**weights, "observer": n}}}
+            )
+        )
+        for n in ("memoryless_mse", "quantobs_memoryless_mse")
+    )
+    assert theirs.keys() == ours.keys() and len(theirs) == 2 * 36
+    for name, value in theirs.items():
+        assert torch.equal(value, ours[name]), name

@@ -75,6 +75,8 @@ are validated instead of read with `.get(default)`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -90,12 +92,18 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "pip install 'quantobs[llmcompressor]'"
     ) from err
 
+from quantobs import native
 from quantobs.calibration.distributed import is_distributed, sync_observers
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
 from quantobs.core.registry import validate_options
 from quantobs.observers.base import Observer
 from quantobs.observers.engine import ObserverEngine
+from quantobs.observers.mse import (
+    MemorylessMSEObserver,
+    MovingAverageMSEObserver,
+    StaticMSEObserver,
+)
 from quantobs.stats.base import Reduce
 
 __all__ = [
@@ -106,6 +114,9 @@ __all__ = [
 ]
 
 #: Prefix of quantobs' observers in llm-compressor's registry.
+# Observers whose search scores candidates with the MSE kernel.
+_MSE_SEARCHES = (MemorylessMSEObserver, MovingAverageMSEObserver, StaticMSEObserver)
+
 PREFIX = "quantobs_"
 
 # The fused-group statistic our observers add to `get_statistics()` for
@@ -174,6 +185,22 @@ class QuantobsObserver(LCObserver):
         """Whether anything was observed since construction or deletion."""
         return self.core.has_statistics
 
+    @contextmanager
+    def _arithmetic(self) -> Iterator[None]:
+        """llm-compressor's float32 arithmetic for the MSE searches: torch's
+        kernels, whose errors are theirs to the last bit. (The native MSE
+        kernel's own `|err| ** 2.4` and float64 sums can flip a near-tie:
+        1 of MiniLM's 82,944 W4A16 groups.) Other observers are exact
+        either way and keep the native kernels."""
+        if not isinstance(self.core, _MSE_SEARCHES):
+            yield
+            return
+        previous = native.set_enabled(False)
+        try:
+            yield
+        finally:
+            native.set_enabled(previous)
+
     @torch.no_grad()
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         """Fold a value in the canonical layout into the statistic.
@@ -183,7 +210,8 @@ class QuantobsObserver(LCObserver):
         """
         if observed.numel() == 0:
             return
-        self.core._observe(observed)
+        with self._arithmetic():
+            self.core._observe(observed)
         self.core.num_observations += observed.shape[0]
 
     # llm-compressor decorates `forward` and `get_qparams` with a bare
@@ -210,7 +238,8 @@ class QuantobsObserver(LCObserver):
             return self
         if self.is_weight_obs and self.has_statistics:
             return self
-        self.core.update(observed)
+        with self._arithmetic():
+            self.core.update(observed)
         if self.fusion_handler.is_fused:
             self.fusion_handler.get_fused_statistics()
         return self
