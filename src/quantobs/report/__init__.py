@@ -1,0 +1,19 @@
+"""Metrics and reports of quantized models against the unquantized one."""
+
+from quantobs.report.metrics import (
+    cosine_to_reference,
+    mean_pool,
+    neighbour_agreement,
+    pairwise_spearman,
+    spearman,
+    sqnr_db,
+)
+
+__all__ = [
+    "cosine_to_reference",
+    "mean_pool",
+    "neighbour_agreement",
+    "pairwise_spearman",
+    "spearman",
+    "sqnr_db",
+]
