@@ -2,10 +2,13 @@
 
     quantobs weights [--model PATH] [--scheme NAME] [--limit N]
                      [--format table|json|csv]
+    quantobs calibrate [--model DIR] --scheme NAME --out DIR [...]
+                     (see `quantobs.cli.calibrate_cmd`)
     quantobs info    versions, and which backend runs the kernels
 
 Exit codes: 0 success, 2 a usage error (bad option, unknown scheme, missing
-model path), 1 an unexpected failure.
+model path, unreadable data, existing output directory), 1 an unexpected
+failure.
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (default: table)",
     )
     weights.set_defaults(handler=_run_weights)
+
+    from quantobs.cli.calibrate_cmd import add_parser as add_calibrate
+
+    add_calibrate(commands)
 
     info = commands.add_parser(
         "info",

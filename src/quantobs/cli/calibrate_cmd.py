@@ -1,0 +1,390 @@
+"""`quantobs calibrate`: a Hugging Face model directory to a compressed-tensors
+checkpoint.
+
+    quantobs calibrate [--model DIR] --scheme NAME
+                       [--observer NAME | --weight-observer NAME
+                        --input-observer NAME]
+                       [--data FILE] [--batch-size 16] [--max-length 128]
+                       [--ignore PATTERN ...] --out DIR
+                       [--resume STATE] [--save-state STATE]
+                       [--distributed] [--no-progress]
+
+Loads the model with `AutoModel` and `AutoTokenizer` (offline), attaches the
+observers of the preset scheme, optionally resumes a saved calibration
+state, calibrates on `--data` (or the packaged calibration corpus), optionally
+saves the state, writes the checkpoint with `save_compressed` and prints the
+report and the checkpoint's path. With `--distributed` (under `torchrun`),
+each process calibrates its contiguous share of the batches and the
+statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run_calibrate", "shard"]
+
+_EXIT_OK = 0
+_EXIT_USAGE = 2
+_DEFAULT_BATCH_SIZE = 16
+_DEFAULT_MAX_LENGTH = 128
+#: modules ignored when --ignore is not given and the model has them (BERT's
+#: pooler: a dense layer outside the encoder, left in full precision)
+_POOLER_IGNORE = "re:.*pooler.*"
+_TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _UsageError(Exception):
+    """A problem with the options or inputs: printed, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """Register the `calibrate` subcommand on `commands` (the subparsers)."""
+    from quantobs import PRESET_SCHEMES
+
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "calibrate",
+        help="calibrate a model on text and write a compressed-tensors checkpoint",
+        description="Load a Hugging Face model directory (offline), attach the "
+        "observers of a preset scheme, run calibration text through it and "
+        "write a compressed-tensors checkpoint that transformers and vLLM load.",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face model directory (config.json, weights, tokenizer); "
+        "default: the embedded sentence-transformers/all-MiniLM-L6-v2",
+    )
+    parser.add_argument(
+        "--scheme",
+        required=True,
+        metavar="NAME",
+        help="preset scheme name, case-insensitive; one of "
+        + ", ".join(PRESET_SCHEMES),
+    )
+    observers = parser.add_mutually_exclusive_group()
+    observers.add_argument(
+        "--observer",
+        default=None,
+        metavar="NAME",
+        help="observer of both the weights and the input activations",
+    )
+    observers.add_argument(
+        "--weight-observer",
+        default=None,
+        metavar="NAME",
+        help="observer of the weights (default: the scheme's)",
+    )
+    parser.add_argument(
+        "--input-observer",
+        default=None,
+        metavar="NAME",
+        help="observer of the input activations (default: the scheme's)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="calibration texts: .txt (one per line) or .jsonl (a 'text' field "
+        "per line); default: quantobs' packaged corpus of 200 sentences",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=_DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"texts per batch (default: {_DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=_DEFAULT_MAX_LENGTH,
+        metavar="N",
+        help=f"tokens per text, truncated (default: {_DEFAULT_MAX_LENGTH})",
+    )
+    parser.add_argument(
+        "--ignore",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="module names or 're:' expressions left unquantized (default: "
+        f"{_POOLER_IGNORE!r} when the model has a pooler, else none)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the checkpoint directory to write (must not exist or be empty)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="STATE",
+        help="load the observers' statistics saved by --save-state first",
+    )
+    parser.add_argument(
+        "--save-state",
+        type=Path,
+        default=None,
+        metavar="STATE",
+        help="save the observers' statistics after calibration (safetensors)",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="under torchrun: each process calibrates its share of the batches, "
+        "statistics are synced (gloo on CPU, NCCL on CUDA), process 0 writes",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run_calibrate)
+    return parser
+
+
+def shard(count: int, rank: int, world: int) -> range:
+    """The contiguous share of `count` items of process `rank` out of `world`:
+    sizes differ by at most one, the first processes take the extra ones."""
+    base, extra = divmod(count, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+# ------------------------------------------------------------ the steps
+
+
+def _scheme(name: str) -> str:
+    from quantobs import PRESET_SCHEMES
+
+    scheme = name.strip().upper()
+    if scheme not in PRESET_SCHEMES:
+        raise _UsageError(
+            f"unknown scheme {name!r}; available presets: {', '.join(PRESET_SCHEMES)}"
+        )
+    return scheme
+
+
+def _model_dir(model: Path | None) -> Path:
+    if model is None:
+        from quantobs.cli.default_model import default_model_path
+
+        try:
+            return default_model_path().parent
+        except FileNotFoundError as error:
+            raise _UsageError(str(error)) from None
+    if not model.is_dir():
+        raise _UsageError(
+            f"model directory {str(model)!r} does not exist or is not a directory; "
+            "pass a Hugging Face model directory (config.json, weights, tokenizer)"
+        )
+    if not (model / "config.json").is_file():
+        raise _UsageError(f"{model} has no config.json: not a Hugging Face model")
+    return model
+
+
+def _texts(data: Path | None) -> list[str]:
+    from quantobs.data import calibration_texts, read_texts
+
+    if data is None:
+        return calibration_texts()
+    try:
+        return read_texts(data)
+    except (OSError, ValueError) as error:
+        raise _UsageError(f"cannot read calibration data: {error}") from None
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise _UsageError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise _UsageError(
+            f"--out {out} exists and is not empty; choose a new directory"
+        )
+
+
+def _recipe(options: argparse.Namespace, scheme: str, ignore: list[str]) -> Any:
+    from quantobs.calibration import Recipe
+
+    if options.observer is not None and options.input_observer is not None:
+        raise _UsageError(
+            "--observer sets both observers; use it, or --weight-observer and "
+            "--input-observer"
+        )
+    weight = options.observer or options.weight_observer
+    inputs = options.observer or options.input_observer
+    return Recipe.from_scheme(
+        scheme, ignore=ignore, weight_observer=weight, input_observer=inputs
+    )
+
+
+def _check_format(options: argparse.Namespace, scheme: str) -> None:
+    """Fail before loading anything when the scheme has no checkpoint format."""
+    from quantobs.calibration import checkpoint_formats
+
+    try:
+        checkpoint_formats(_recipe(options, scheme, []))
+    except ValueError as error:
+        raise _UsageError(
+            f"scheme {scheme} cannot be written as a checkpoint: {error}"
+        ) from None
+
+
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True
+        )
+        model = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise _UsageError(f"cannot load the model from {model_dir}: {error}") from None
+    return model.eval(), tokenizer
+
+
+def _default_ignore(model: Any) -> list[str]:
+    names = (name for name, _ in model.named_modules())
+    return [_POOLER_IGNORE] if any("pooler" in name for name in names) else []
+
+
+class _Distributed:
+    """The torchrun process group this command started (or found)."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+        self.started = False
+        self.device: Any = None
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            return
+        if missing:
+            raise _UsageError(
+                "--distributed needs the environment torchrun sets ("
+                + ", ".join(missing)
+                + " missing); run `torchrun --nproc-per-node N -m quantobs "
+                "calibrate ... --distributed`"
+            )
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl", device_id=self.device)
+        else:
+            dist.init_process_group("gloo")
+        self.started = True
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def close(self) -> None:
+        """Destroy the process group if this command started it (idempotent)."""
+        import torch.distributed as dist
+
+        if self.started and dist.is_initialized():
+            dist.destroy_process_group()
+        self.started = False
+
+
+def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
+    from quantobs.calibration import (
+        attach,
+        calibrate,
+        load_state,
+        save_compressed,
+        save_state,
+        text_batches,
+    )
+
+    scheme = _scheme(options.scheme)
+    model_dir = _model_dir(options.model)
+    texts = _texts(options.data)
+    out: Path = options.out
+    _check_out(out)
+    _check_format(options, scheme)
+    model, tokenizer = _load(model_dir)
+    if group is not None and group.device is not None:
+        model.to(group.device)
+    ignore = _default_ignore(model) if options.ignore is None else options.ignore
+    try:
+        attach(model, _recipe(options, scheme, list(ignore)))
+    except (KeyError, ValueError, TypeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) else error
+        raise _UsageError(f"cannot attach the observers: {message}") from None
+    if options.resume is not None:
+        try:
+            load_state(model, options.resume)
+        except (OSError, ValueError) as error:
+            raise _UsageError(f"cannot resume from {options.resume}: {error}") from None
+    batches = text_batches(
+        tokenizer, texts, batch_size=options.batch_size, max_length=options.max_length
+    )
+    rank = 0
+    if group is not None:
+        rank = group.rank
+        if len(batches) < group.world:
+            raise _UsageError(
+                f"{len(batches)} batches for {group.world} processes: every "
+                "process needs at least one (more texts or a smaller --batch-size)"
+            )
+        batches = [batches[i] for i in shard(len(batches), rank, group.world)]
+    try:
+        report = calibrate(
+            model,
+            batches,
+            progress=False if options.no_progress else None,
+            sync=group is not None,
+        )
+    except RuntimeError as error:
+        raise _UsageError(f"calibration failed: {error}") from None
+    if group is not None:
+        # compressed-tensors compresses in parallel over an initialized
+        # process group: closed first, process 0 writes the whole checkpoint
+        group.close()
+    if rank != 0:
+        return
+    try:
+        if options.save_state is not None:
+            save_state(model, options.save_state)
+        path = save_compressed(model, out, source_dir=model_dir)
+    except (OSError, ValueError) as error:
+        raise _UsageError(str(error)) from None
+    print(report)
+    if options.save_state is not None:
+        print(f"state       {options.save_state}")
+    print(f"checkpoint  {path}")
+
+
+def run_calibrate(options: argparse.Namespace) -> int:
+    """The handler of `quantobs calibrate`; returns the exit code."""
+    group: _Distributed | None = None
+    try:
+        if options.distributed:
+            group = _Distributed()
+        _calibrate(options, group)
+    except _UsageError as error:
+        print(f"quantobs: error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    finally:
+        if group is not None:
+            group.close()
+    return _EXIT_OK
