@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from quantobs import Observer, QuantizationArgs
 from quantobs.calibration import distributed as qdist
+from quantobs.calibration import owners as qowners
 
 Worker = Callable[[int, int], dict[str, Any]]
 
@@ -351,11 +352,11 @@ def mismatches(rank: int, world: int) -> dict[str, Any]:
         result["kind"] = str(error)
     wrong = torch.zeros(2, dtype=torch.float32 if rank == 0 else torch.bfloat16)
     try:
-        qdist.broadcast_from_owners([torch.zeros(3), wrong], [0, 0])
+        qowners.broadcast_from_owners([torch.zeros(3), wrong], [0, 0])
     except ValueError as error:
         result["dtype"] = str(error)
     try:
-        qdist.broadcast_from_owners([torch.zeros(3)], [min(rank, 1)])
+        qowners.broadcast_from_owners([torch.zeros(3)], [min(rank, 1)])
     except ValueError as error:
         result["owners"] = str(error)
     result["any"] = qdist.any_across(rank == world - 1)
@@ -395,16 +396,16 @@ def broadcast(rank: int, world: int) -> dict[str, Any]:
     """`broadcast_from_owners` on mixed dtypes, as one bucket per owner and
     in small buckets; returns the bytes each rank ends with."""
     sizes = [payload(i, 0).numel() for i in range(NUM_PAYLOADS)]
-    owners = qdist.owners_by_size(sizes, world)
+    owners = qowners.owners_by_size(sizes, world)
     result: dict[str, Any] = {"owners": owners}
-    for label, limit in (("one", qdist.DEFAULT_BUCKET_BYTES), ("small", 32)):
+    for label, limit in (("one", qowners.DEFAULT_BUCKET_BYTES), ("small", 32)):
         tensors = [payload(i, rank) for i in range(NUM_PAYLOADS)]
         with _Counter() as counter:
-            qdist.broadcast_from_owners(tensors, owners, bucket_bytes=limit)
+            qowners.broadcast_from_owners(tensors, owners, bucket_bytes=limit)
         result[label] = [raw_bytes(t) for t in tensors]
         result[f"{label}_calls"] = counter.calls
     parameter = torch.nn.Parameter(torch.full((3,), float(rank)))
-    qdist.broadcast_from_owners([parameter], [world - 1])
+    qowners.broadcast_from_owners([parameter], [world - 1])
     result["parameter"] = parameter.detach().clone()
     return result
 

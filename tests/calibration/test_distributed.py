@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from quantobs.calibration import distributed as qdist
+from quantobs.calibration import owners as qowners
 from quantobs.stats.base import reduce_states
 from quantobs.stats.minmax import MovingAverage
 from quantobs.stats.torch_histogram import TorchHistogram
@@ -244,22 +245,22 @@ def test_agree_references_takes_the_lowest_rank(runs: Runs) -> None:
 
 
 def test_owners_by_size_largest_first_to_least_loaded() -> None:
-    assert qdist.owners_by_size([5, 3, 3, 1], 2) == [0, 1, 1, 0]
-    assert qdist.owners_by_size([1, 9, 4, 4, 2], 3) == [2, 0, 1, 2, 1]
+    assert qowners.owners_by_size([5, 3, 3, 1], 2) == [0, 1, 1, 0]
+    assert qowners.owners_by_size([1, 9, 4, 4, 2], 3) == [2, 0, 1, 2, 1]
 
 
 def test_owners_by_size_ties_go_to_the_lower_rank_and_index() -> None:
-    assert qdist.owners_by_size([2, 2, 2, 2], 3) == [0, 1, 2, 0]
-    assert qdist.owners_by_size([0, 0], 2) == [0, 0]  # rank 0 stays least loaded
-    assert qdist.owners_by_size([], 4) == []
-    assert qdist.owners_by_size([7, 1, 3], 1) == [0, 0, 0]
+    assert qowners.owners_by_size([2, 2, 2, 2], 3) == [0, 1, 2, 0]
+    assert qowners.owners_by_size([0, 0], 2) == [0, 0]  # rank 0 stays least loaded
+    assert qowners.owners_by_size([], 4) == []
+    assert qowners.owners_by_size([7, 1, 3], 1) == [0, 0, 0]
 
 
 def test_owners_by_size_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="world_size"):
-        qdist.owners_by_size([1], 0)
+        qowners.owners_by_size([1], 0)
     with pytest.raises(ValueError, match="sizes"):
-        qdist.owners_by_size([1, -1], 2)
+        qowners.owners_by_size([1, -1], 2)
 
 
 @given(
@@ -267,8 +268,8 @@ def test_owners_by_size_rejects_bad_input() -> None:
     st.integers(1, 6),
 )
 def test_owners_by_size_balances(sizes: list[int], world: int) -> None:
-    owners = qdist.owners_by_size(sizes, world)
-    assert owners == qdist.owners_by_size(sizes, world)
+    owners = qowners.owners_by_size(sizes, world)
+    assert owners == qowners.owners_by_size(sizes, world)
     assert all(0 <= o < world for o in owners)
     loads = [0] * world
     for size, owner in zip(sizes, owners, strict=True):
@@ -300,16 +301,16 @@ def test_without_a_process_group_nothing_is_communicated() -> None:
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert obs.num_observations == 32
     tensor = torch.arange(4.0)
-    qdist.broadcast_from_owners([tensor], [0])
+    qowners.broadcast_from_owners([tensor], [0])
     assert torch.equal(tensor, torch.arange(4.0))
 
 
 @pytest.mark.usefixtures("no_group")
 def test_broadcast_from_owners_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="2 tensors but 1 owners"):
-        qdist.broadcast_from_owners([torch.zeros(1), torch.zeros(1)], [0])
+        qowners.broadcast_from_owners([torch.zeros(1), torch.zeros(1)], [0])
     with pytest.raises(ValueError, match=r"owners \[1\] are not ranks"):
-        qdist.broadcast_from_owners([torch.zeros(1)], [1])
+        qowners.broadcast_from_owners([torch.zeros(1)], [1])
 
 
 @pytest.mark.usefixtures("no_group")

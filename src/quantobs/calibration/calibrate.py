@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry, attachment_of
+from quantobs.calibration.owners import broadcast_from_owners, owners_by_size
 from quantobs.calibration.qparams import (
     EmptyPolicy,
     QParams,
@@ -227,7 +228,7 @@ def calibrate(
             )
         rank, world = dist.rank_and_world(process_group)
         sizes = [sum(e.weight.numel() for e in g) for g in groups]
-        owners = dist.owners_by_size(sizes, world)
+        owners = owners_by_size(sizes, world)
         owned = [g for g, o in zip(groups, owners, strict=True) if o == rank]
     first = None
     if sync:  # its first batch fixes the static_mse references
@@ -372,7 +373,7 @@ def _synced_qparams(
     qparams, fell_back = compute_qparams(attachment, on_empty=on_empty, weights=owned)
     # Weight qparams: each from its owner; placeholders elsewhere.
     sizes = [sum(e.weight.numel() for e in g) for g in groups]
-    owners = dist.owners_by_size(sizes, world)
+    owners = owners_by_size(sizes, world)
     tensors: list[torch.Tensor] = []
     tensor_owners: list[int] = []
     for weight_group, owner in zip(groups, owners, strict=True):
@@ -382,7 +383,7 @@ def _synced_qparams(
             for kind in sorted(qparams[entry.key]):
                 tensors.append(qparams[entry.key][kind])
                 tensor_owners.append(owner)
-    dist.broadcast_from_owners(tensors, tensor_owners, group)
+    broadcast_from_owners(tensors, tensor_owners, group)
     return qparams, fell_back
 
 

@@ -1,4 +1,10 @@
-"""Calibrating across processes: statistics synced, weights observed once.
+"""Calibrating across processes: observer statistics combined exactly.
+
+(One concept, and over 500 lines on purpose: `sync_observers` is one
+protocol — an object gather, then bucketed all-reduces driven by each
+statistic's declared reductions — and its bucket and per-observer plan
+classes serve only it; `agree_references` is its counterpart for shared
+reference ranges. Who observes which weight is in `owners`.)
 
 Each process of a `torch.distributed` group observes its shard of the
 calibration batches; `sync_observers` then gives every process the statistic
@@ -38,10 +44,8 @@ must share: run each process's first batch in a reference-only pass, then
 `agree_references` (the lowest process's reference wins: with contiguous or
 round-robin shards, the global first batch), then observe every batch.
 
-Weights are observed once: `owners_by_size` deals them to processes,
-greedily by size, and `broadcast_from_owners` sends each owner's results
-(qparams) to every process, one broadcast per owner (bytes of every dtype
-packed together).
+Weights are observed once, by their owner: see
+`quantobs.calibration.owners`.
 
 Device-agnostic: tensors stay on the observers' device (CPU tensors go
 through the current CUDA device under NCCL). NCCL's object collectives use
@@ -50,7 +54,6 @@ the current CUDA device too, so set it (`torch.cuda.set_device`) first.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,21 +70,17 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
     "agree_references",
     "any_across",
-    "broadcast_from_owners",
     "collective_device",
+    "gather_objects",
+    "global_rank",
     "is_distributed",
-    "owners_by_size",
     "rank_and_world",
     "sync_observers",
+    "wire_device",
 ]
 
-#: Largest packed buffer one broadcast of `broadcast_from_owners` sends (a
-#: larger tensor goes alone).
-DEFAULT_BUCKET_BYTES = 1 << 29
-_ALIGN = 16  # byte alignment of each tensor in a packed buffer
 
 # A field's (shape, dtype), as a process reports it.
 _FieldMeta = tuple[tuple[int, ...], torch.dtype]
@@ -124,7 +123,7 @@ def any_across(flag: bool, group: ProcessGroup | None = None) -> bool:
     return bool(found.item())
 
 
-def _wire_device(device: torch.device, group: ProcessGroup | None) -> torch.device:
+def wire_device(device: torch.device, group: ProcessGroup | None) -> torch.device:
     """Where a tensor on `device` is communicated from (CPU tensors go through
     the current CUDA device under NCCL)."""
     if device.type == "cpu" and dist.get_backend(group) == "nccl":
@@ -132,11 +131,12 @@ def _wire_device(device: torch.device, group: ProcessGroup | None) -> torch.devi
     return device
 
 
-def _global_rank(group: ProcessGroup | None, rank: int) -> int:
+def global_rank(group: ProcessGroup | None, rank: int) -> int:
+    """The world rank of `rank` in `group`."""
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _gather(obj: Any, world: int, group: ProcessGroup | None) -> list[Any]:
+def gather_objects(obj: Any, world: int, group: ProcessGroup | None) -> list[Any]:
     """Every process's `obj`, by rank (one `all_gather_object`)."""
     found: list[Any] = [None] * world
     dist.all_gather_object(found, obj, group=group)
@@ -206,7 +206,7 @@ class _Buckets:
         wire_dtype = _wire_dtype(value.dtype)
         device = value.device
         if self._world > 1:
-            device = _wire_device(device, self._group)
+            device = wire_device(device, self._group)
         key = (op, wire_dtype)
         parts = self._parts.setdefault(key, [])
         wire = self._wire.setdefault(key, device)
@@ -575,7 +575,7 @@ def sync_observers(
     rank, world = rank_and_world(group)
     if world <= 1:
         return
-    reports = _gather([_report(obs) for obs in observers], world, group)
+    reports = gather_objects([_report(obs) for obs in observers], world, group)
     _check_same_observers(reports, "sync_observers")
     syncs: list[_Sync] = []
     for i, obs in enumerate(observers):
@@ -681,7 +681,7 @@ def agree_references(
             n: (tuple(v.shape), v.dtype) for n, v in stat.state().items() if n in names
         }
         mine.append(_Report(_kind(obs), stat.qparam_shape, fields, None))
-    reports = _gather(mine, world, group) if world > 1 else [mine]
+    reports = gather_objects(mine, world, group) if world > 1 else [mine]
     _check_same_observers(reports, "agree_references")
     buckets = _Buckets(group, world)
     chosen: list[tuple[tuple[int, ...], torch.device, dict[str, _BitSlot]] | None] = []
@@ -715,155 +715,3 @@ def agree_references(
 
 
 # --------------------------------------------------------- weights by owner
-
-
-def owners_by_size(sizes: Sequence[int], world_size: int) -> list[int]:
-    """Deal items to processes so that their total sizes balance.
-
-    Greedy and deterministic: the largest item first (ties: the lower index)
-    goes to the least-loaded process (ties: the lower rank). Every process
-    computes the same answer, so each knows which weights it observes.
-
-    Args:
-        sizes: each item's size (e.g. a weight's `numel()`), `>= 0`.
-        world_size: the number of processes, `>= 1`.
-
-    Returns:
-        The owning rank of each item, in the order of `sizes`.
-
-    Raises:
-        ValueError: `world_size < 1` or a negative size.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if any(s < 0 for s in sizes):
-        raise ValueError("owners_by_size needs sizes >= 0")
-    loads = [(0, rank) for rank in range(world_size)]  # a heap of (load, rank)
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[i] = rank
-        heapq.heappush(loads, (load + sizes[i], rank))
-    return owners
-
-
-def _packed(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """Consecutive runs of items (by index into `sizes`) of at most `limit`
-    aligned bytes each (an item larger than `limit` alone)."""
-    runs: list[list[int]] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        padded = -(-size // _ALIGN) * _ALIGN
-        if not runs or used + padded > limit:
-            runs.append([])
-            used = 0
-        runs[-1].append(i)
-        used += padded
-    return runs
-
-
-@torch.no_grad()
-def broadcast_from_owners(
-    tensors: Sequence[torch.Tensor],
-    owners: Sequence[int],
-    group: ProcessGroup | None = None,
-    *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> None:
-    """Give every process each tensor's value on its owner, in place.
-
-    Every process passes tensors of the same shapes and dtypes in the same
-    order, and the same owners (e.g. from `owners_by_size`); afterwards each
-    tensor holds, bit for bit, its owner's values. Each owner's tensors
-    travel as their bytes packed together (any dtypes, float8 included):
-    one `all_gather_object` (checking shapes, dtypes and owners), then one
-    broadcast per owner (that owns any), or more where they exceed
-    `bucket_bytes`, from the device of the owner's first tensor. Outside
-    `torch.distributed` it does nothing.
-
-    Args:
-        tensors: this process's tensors (written in place where not owned).
-        owners: the owning rank of each tensor.
-        group: the process group (default: the world); owners are its ranks.
-        bucket_bytes: the largest packed buffer (a larger tensor goes alone).
-
-    Raises:
-        ValueError: `owners` and `tensors` differ in length, an owner is not
-            a rank of the group, or (on every process alike) the processes
-            passed different owners, or a tensor whose shape or dtype differs
-            from its owner's.
-    """
-    if len(tensors) != len(owners):
-        raise ValueError(
-            f"broadcast_from_owners got {len(tensors)} tensors but {len(owners)} owners"
-        )
-    rank, world = rank_and_world(group)
-    bad = sorted({o for o in owners if not 0 <= o < world})
-    if bad:
-        raise ValueError(f"owners {bad} are not ranks of a group of {world}")
-    if world <= 1:
-        return
-    _check_same_tensors(tensors, owners, world, group)
-    for owner in range(world):
-        indices = [i for i, o in enumerate(owners) if o == owner and tensors[i].numel()]
-        if not indices:
-            continue
-        wire = _wire_device(tensors[indices[0]].device, group)
-        nbytes = [tensors[i].numel() * tensors[i].element_size() for i in indices]
-        for run in _packed(nbytes, bucket_bytes):
-            chosen = [tensors[indices[k]] for k in run]
-            _broadcast_packed(chosen, rank == owner, owner, wire, group)
-
-
-def _check_same_tensors(
-    tensors: Sequence[torch.Tensor],
-    owners: Sequence[int],
-    world: int,
-    group: ProcessGroup | None,
-) -> None:
-    """Raise (on every process alike) unless every process passed the same
-    owners and each tensor with its owner's shape and dtype."""
-    mine = (list(owners), [(tuple(t.shape), t.dtype) for t in tensors])
-    found = _gather(mine, world, group)
-    if any(theirs != found[0][0] for theirs, _ in found):
-        raise ValueError(
-            "broadcast_from_owners: the processes passed different owners; "
-            "pass the same tensors and owners in the same order on every process"
-        )
-    for i, owner in enumerate(found[0][0]):
-        shape, dtype = found[owner][1][i]
-        for rank, (_, metas) in enumerate(found):
-            if metas[i] != (shape, dtype):
-                raise ValueError(
-                    f"broadcast_from_owners: tensor {i} is {metas[i][0]} "
-                    f"{metas[i][1]} on rank {rank} but {shape} {dtype} on its "
-                    f"owner, rank {owner}; every process must pass tensors of "
-                    "the owner's shapes and dtypes"
-                )
-
-
-def _broadcast_packed(
-    tensors: list[torch.Tensor],
-    mine: bool,
-    owner: int,
-    device: torch.device,
-    group: ProcessGroup | None,
-) -> None:
-    """One broadcast of `tensors`' bytes from `owner`, unpacked elsewhere."""
-    offsets = []
-    end = 0
-    for tensor in tensors:
-        offsets.append(end)
-        end += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    buffer = torch.empty(end, dtype=torch.uint8, device=device)
-    if mine:
-        for tensor, start in zip(tensors, offsets, strict=True):
-            raw = tensor.detach().reshape(-1).view(torch.uint8)
-            buffer[start : start + raw.numel()].copy_(raw)
-    dist.broadcast(buffer, src=_global_rank(group, owner), group=group)
-    if mine:
-        return
-    for tensor, start in zip(tensors, offsets, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        raw = buffer[start : start + nbytes]
-        tensor.copy_(raw.view(tensor.dtype).view(tensor.shape))

@@ -1,5 +1,10 @@
 """Save a calibrated model as a compressed-tensors checkpoint.
 
+(One concept, a little over 500 lines: the format inference, the checks
+that compressed-tensors stores every calibrated qparam, and the atomic
+write each exist only for `save_compressed`; split apart they would be
+modules with one caller each.)
+
 `save_compressed(model, out_dir)` writes what llm-compressor writes, with
 compressed-tensors' own compressors: on a deep copy of the model (the
 calibrated model, its observers and hooks stay as they were) it applies the
