@@ -18,23 +18,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from quantobs.cli.arguments import positive_int
+
 __all__ = ["EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 _FORMATS = ("table", "json", "csv")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     weights.add_argument(
         "--limit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="only the first N linear weights",

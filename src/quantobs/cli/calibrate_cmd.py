@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from quantobs.cli.arguments import positive_int
+
 __all__ = ["add_parser", "run_calibrate", "shard"]
 
 _EXIT_OK = 0
@@ -40,18 +42,6 @@ _TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 class _UsageError(Exception):
     """A problem with the options or inputs: printed, exit code 2."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -109,14 +99,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=_DEFAULT_BATCH_SIZE,
         metavar="N",
         help=f"texts per batch (default: {_DEFAULT_BATCH_SIZE})",
     )
     parser.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=positive_int,
         default=_DEFAULT_MAX_LENGTH,
         metavar="N",
         help=f"tokens per text, truncated (default: {_DEFAULT_MAX_LENGTH})",
