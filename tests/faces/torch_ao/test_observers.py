@@ -352,14 +352,27 @@ def test_qparams_of_any_range_match_torch(
         return
     lo = torch.tensor([min(pair_) for pair_ in values])
     hi = torch.tensor([max(pair_) for pair_ in values])
-    qa, qb = a._calculate_qparams(lo, hi), b._calculate_qparams(lo, hi)
-    assert_identical(qa[0], qb[0])
-    assert_identical(qa[1], qb[1])
-    # and per tensor, through the 0-dim path
-    qa = a._calculate_qparams(lo.min(), hi.max())
-    qb = b._calculate_qparams(lo.min(), hi.max())
-    assert_identical(qa[0], qb[0])
-    assert_identical(qa[1], qb[1])
+    # per channel, and per tensor through the 0-dim path
+    for low, high in ((lo, hi), (lo.min(), hi.max())):
+        qa, qb = a._calculate_qparams(low, high), b._calculate_qparams(low, high)
+        assert_identical(qa[0], qb[0])
+        assert_identical(qa[1], unwrapped_zero_point(a, low, *qb))
+
+
+def unwrapped_zero_point(
+    obs: Any, min_val: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+) -> torch.Tensor:
+    """torch.ao's zero point, except where torch's affine `round(min / scale)`
+    is below -2**31 and wraps in int32 (qint32: the zero point becomes 0 and
+    the negative side is clipped): there the face's, computed in float64
+    and clamped (`test_extreme_inputs.py`)."""
+    if obs.qscheme not in (aff, ch_aff):
+        return zero_point
+    min_neg = torch.clamp(min_val, max=0).reshape(scale.shape)
+    wraps = torch.round(min_neg / scale) < -(2**31)  # torch's float32 quotient
+    exact = obs.quant_min - torch.round(min_neg.double() / scale.double())
+    exact = torch.clamp(exact, obs.quant_min, obs.quant_max).to(zero_point.dtype)
+    return torch.where(wraps, exact, zero_point)
 
 
 # ------------------------------------------------------------------ defaults

@@ -14,8 +14,9 @@ import torch
 from torch.ao.quantization import observer as tob
 
 import quantobs.faces.torch_ao as ours
+from quantobs.faces.torch_ao.overflow import TorchMovingAverage
 from quantobs.observers.engine import ObserverEngine
-from quantobs.stats.minmax import MinMax, MovingAverage
+from quantobs.stats.minmax import MinMax
 from quantobs.stats.torch_histogram import TorchHistogram
 
 from .test_observers import assert_same_qparams, assert_same_state, observe
@@ -34,7 +35,7 @@ STATEFUL: dict[str, tuple[str, dict[str, Any], type, tuple[str, ...]]] = {
     "moving_average": (
         "MovingAverageMinMaxObserver",
         {"averaging_constant": 0.3},
-        MovingAverage,
+        TorchMovingAverage,
         ("min_val", "max_val"),
     ),
     "per_channel_axis0": (
@@ -52,7 +53,7 @@ STATEFUL: dict[str, tuple[str, dict[str, Any], type, tuple[str, ...]]] = {
     "moving_average_per_channel": (
         "MovingAveragePerChannelMinMaxObserver",
         {"ch_axis": -1, "averaging_constant": 0.2},
-        MovingAverage,
+        TorchMovingAverage,
         ("min_val", "max_val"),
     ),
     "histogram": (

@@ -40,6 +40,11 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 * `nan_policy="raise"` (default): a batch with NaN (min-max observers: NaN or
   inf) raises `ValueError`, instead of a NaN / inf scale or an opaque histc
   error. `nan_policy="propagate"` restores torch's behaviour.
+* Finite inputs near float32's limits give finite positive scales and
+  in-range zero points (torch: inf / NaN scales, an int32 zero point that
+  wraps to 0, an AssertionError once a moving average overflows), or a
+  `ValueError` naming the fix; bf16 / fp16 batches `torch.histc` refuses are
+  counted in float32; `quantobs.faces.torch_ao.overflow` has the table.
 * Per-channel observers raise `ObserverShapeError` when the channel count
   changes, also from 1 channel to many (torch silently broadcasts that).
   They accept 1-D inputs (each element a channel; torch raises IndexError).

@@ -51,6 +51,7 @@ from quantobs.faces.torch_ao.errors import (
     InvalidObserverArgument,
     UnsupportedObserverConfig,
 )
+from quantobs.faces.torch_ao.overflow import repair_qparams
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Statistic
 
@@ -474,11 +475,23 @@ class UniformQuantizationObserverBase(ObserverBase):
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point of the range `[min_val, max_val]` (per tensor
-        or per channel) under this observer's dtype, qscheme and range."""
+        or per channel) under this observer's dtype, qscheme and range:
+        torch's, repaired where its float32 arithmetic overflows on a finite
+        range (`quantobs.faces.torch_ao.overflow.repair_qparams`).
+
+        Raises:
+            InvalidObserverArgument: a range torch's rule rejects.
+            ValueError: a range too wide for the quantized range (its scale
+                exceeds the float32 maximum).
+        """
+        rule = self.qparams_rule
         try:
-            return self.qparams_rule(min_val, max_val)
+            scale, zero_point = rule(min_val, max_val)
         except ValueError as error:  # torch asserts: the face's own type
             raise InvalidObserverArgument(str(error)) from None
+        return repair_qparams(
+            rule, min_val, max_val, scale, zero_point, type(self).__name__
+        )
 
     def reset_min_max_vals(self) -> None:
         """Forget the observed statistic (back to the state before any data).

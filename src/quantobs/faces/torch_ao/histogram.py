@@ -33,10 +33,12 @@ Search (`search=`)::
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal
 
 import torch
 
+from quantobs.core.qparams import all_finite
 from quantobs.core.qparams.torch_rule import (
     PER_TENSOR_QSCHEMES,
     SYMMETRIC_QSCHEMES,
@@ -52,14 +54,18 @@ from quantobs.faces.torch_ao.base import (
     tensor_view,
 )
 from quantobs.faces.torch_ao.errors import InvalidObserverArgument
+from quantobs.faces.torch_ao.overflow import cast_range
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.torch_l2 import torch_l2_search
+from quantobs.stats.base import Batch
 from quantobs.stats.torch_histogram import UPSAMPLE_RATE, TorchHistogram
 
 __all__ = ["HistogramObserver", "HistogramSearch"]
 
 HistogramSearch = Literal["torch", "global"]
 _SEARCHES = ("torch", "global")
+# The global search's exact error costs memory per level: 16-bit ranges at most.
+_GLOBAL_MAX_LEVELS = 2**16
 
 
 class HistogramObserver(UniformQuantizationObserverBase):
@@ -83,7 +89,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
     Raises:
         UnsupportedObserverConfig: a per-channel qscheme, or dynamic.
         TypeError: a non-integer dtype (float8).
-        ValueError: an unknown `search`, or `bins` below 1.
+        ValueError: an unknown `search`, `bins` below 1, or
+            `search="global"` with more than 2**16 levels (e.g. qint32).
     """
 
     statistic_cls = TorchHistogram
@@ -140,6 +147,14 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 f"levels), got {dtype}; use MinMaxObserver for float8"
             ) from None
         self.upsample_rate = UPSAMPLE_RATE
+        levels = self.quant_max - self.quant_min + 1
+        if search == "global" and levels > _GLOBAL_MAX_LEVELS:
+            raise ValueError(
+                f"{owner}(search='global') scores up to {_GLOBAL_MAX_LEVELS} "
+                f"levels (16 bits); {dtype} with quant_min={self.quant_min}, "
+                f"quant_max={self.quant_max} has {levels}. Use search='torch', "
+                "or a narrower quant_min / quant_max."
+            )
 
     def statistic_config(self) -> dict[str, Any]:
         return {
@@ -152,22 +167,52 @@ class HistogramObserver(UniformQuantizationObserverBase):
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Add `x_orig`'s values to the histogram; return it unchanged.
 
+        A float16 / bfloat16 batch is counted in its own dtype, as torch
+        does, unless `torch.histc` refuses to count it there (torch.ao raises
+        then: a running range beyond float16's maximum, or a constant batch
+        whose `[c - 1, c + 1]` rounds to one value, e.g. bf16 `1e30`); such
+        a batch is counted in float32.
+
         Raises:
-            ValueError: NaN values under `nan_policy="raise"`.
+            ValueError: NaN values under `nan_policy="raise"`, or values
+                beyond the buffers' dtype (a float64 batch beyond float32's
+                range: torch's range would be infinite).
             RuntimeError: NaN values under `"propagate"` (torch's histc error).
         """
         if x_orig.numel() == 0:
             return x_orig
-        self._observe(tensor_view(x_orig.detach()))  # (1, numel)
+        x = tensor_view(x_orig.detach())  # (1, numel)
+        try:
+            self._observe(x)
+        except RuntimeError:  # the update raised before storing anything
+            if x.dtype not in (torch.float16, torch.bfloat16):
+                raise
+            self._observe(x.float())
         return x_orig
+
+    def _prepare_batch(self, batch: Batch) -> Batch:
+        # The statistic casts the range to the buffers' dtype: a float64
+        # batch beyond float32 raises here (torch's range would be infinite).
+        if batch.min_vals.dtype != self.min_val.dtype:
+            cast_range(
+                type(self).__name__, batch.min_vals, batch.max_vals, self.min_val.dtype
+            )
+        return batch
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         """`(scale, zero_point)` of the searched range, each of shape `(1,)`.
+
+        A range wider than the float32 maximum (`max - min` overflows) has
+        no usable histogram (`torch.histc` counts nothing; torch.ao returns a
+        NaN scale): its qparams are the whole observed range's, with a
+        `RuntimeWarning`.
 
         Raises:
             InvalidObserverArgument: a histogram of other than `bins` bins
                 (a loaded state), or a searched range that torch's rule
                 rejects.
+            ValueError: a range too wide for the quantized range (a custom
+                range of very few levels: the scale exceeds float32).
         """
         if float(self.min_val) == math.inf and float(self.max_val) == -math.inf:
             range_is_observed(self.min_val, self.max_val)  # warns, as torch does
@@ -178,16 +223,30 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 f"observer was built with bins={self.bins}; build it with "
                 "the bins of the loaded state"
             )
-        if self.search == "global":
+        lo, hi = self.min_val, self.max_val
+        searchable = bool(torch.isfinite(hi - lo))
+        if searchable and self.search == "global":
             lo, hi = self._global_search()
-        else:  # the search works on float32 state, as torch's default buffers
+        elif searchable:  # the search works on float32 state, as torch's buffers
             lo, hi = torch_l2_search(
                 self.histogram.float(),
                 self.min_val.float(),
                 self.max_val.float(),
                 self.dst_nbins,
             )
+        if not (searchable and all_finite(lo, hi)):
+            warnings.warn(self._unsearchable(), RuntimeWarning, stacklevel=2)
+            lo, hi = self.min_val, self.max_val
         return self._calculate_qparams(lo, hi)
+
+    def _unsearchable(self) -> str:
+        return (
+            f"{type(self).__name__}: the observed range [{float(self.min_val):g}, "
+            f"{float(self.max_val):g}] is wider than the float32 maximum, so "
+            "its histogram has no usable counts (torch.ao returns a NaN scale); "
+            "the qparams cover the whole observed range, as MinMaxObserver's "
+            "would. Rescale the input to search it."
+        )
 
     def _global_search(self) -> tuple[torch.Tensor, torch.Tensor]:
         width = (self.max_val - self.min_val) / self.bins

@@ -3,11 +3,14 @@ per channel, with torch's buffers and numbers.
 
 Each keeps an engine statistic in torch's buffers `min_val` / `max_val`::
 
-    observer                                statistic                    buffers
-    MinMaxObserver                          MinMax                       ()
-    MovingAverageMinMaxObserver             MovingAverage(form="step")   ()
-    PerChannelMinMaxObserver                MinMax                       (C,)
-    MovingAveragePerChannelMinMaxObserver   MovingAverage(form="step")   (C,)
+    observer                                statistic            buffers
+    MinMaxObserver                          MinMax               ()
+    MovingAverageMinMaxObserver             TorchMovingAverage   ()
+    PerChannelMinMaxObserver                MinMax               (C,)
+    MovingAveragePerChannelMinMaxObserver   TorchMovingAverage   (C,)
+
+(`TorchMovingAverage`: `MovingAverage(form="step")` whose steps do not
+overflow, `quantobs.faces.torch_ao.overflow`.)
 
 A batch is viewed in the canonical layout, `(1, numel)` per tensor
 (`tensor_view`) or `(N, C, G)` along `ch_axis` (`quantobs.core.layout.
@@ -38,6 +41,7 @@ from quantobs.faces.torch_ao.base import (
     tensor_view,
 )
 from quantobs.faces.torch_ao.errors import ObserverShapeError
+from quantobs.faces.torch_ao.overflow import TorchMovingAverage, cast_range
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.minmax import MinMax, MovingAverage
 
@@ -71,7 +75,8 @@ class _RangeObserver(UniformQuantizationObserverBase):
         self.register_buffer("max_val", high)
 
     def statistic_config(self) -> dict[str, Any]:
-        if self.statistic_type() is MovingAverage:
+        stype = self.statistic_type()
+        if stype is not None and issubclass(stype, MovingAverage):
             return {
                 "constant": self.averaging_constant,
                 "form": "step",
@@ -85,14 +90,17 @@ class _RangeObserver(UniformQuantizationObserverBase):
         """The batch in the canonical layout."""
 
     def _prepare_batch(self, batch: Batch) -> Batch:
-        # torch reduces in the buffers' dtype: the range, cast to it.
+        # torch reduces in the buffers' dtype: the range, cast to it (a
+        # float64 range beyond float32 buffers raises: torch's is infinite).
         dtype = self.min_val.dtype
         if batch.min_vals.dtype == dtype:
             return batch
+        owner = type(self).__name__
+        low, high = cast_range(owner, batch.min_vals, batch.max_vals, dtype)
         return Batch(
             batch.x_flat,
-            batch.min_vals.to(dtype),
-            batch.max_vals.to(dtype),
+            low,
+            high,
             batch.num_observations,
             batch.absmax,
             batch.has_skipped,
@@ -103,7 +111,9 @@ class _RangeObserver(UniformQuantizationObserverBase):
         """Record the range of `x_orig`; return it unchanged.
 
         Raises:
-            ValueError: NaN or inf values under `nan_policy="raise"`.
+            ValueError: NaN or inf values under `nan_policy="raise"`, or
+                values beyond the buffers' dtype (a float64 batch beyond
+                float32's range: torch's range would be infinite).
             ObserverShapeError: (per channel) a bad `ch_axis` or a changed
                 channel count.
         """
@@ -116,7 +126,12 @@ class _RangeObserver(UniformQuantizationObserverBase):
         return x_orig
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        """`(scale, zero_point)`: shape `(1,)` per tensor, `(C,)` per channel."""
+        """`(scale, zero_point)`: shape `(1,)` per tensor, `(C,)` per channel.
+
+        Raises:
+            ValueError: a range too wide for the quantized range (a custom
+                range of very few levels: the scale exceeds float32).
+        """
         return self._calculate_qparams(self.min_val, self.max_val)
 
     def extra_repr(self) -> str:
@@ -201,7 +216,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             averaging constant other than 1.
     """
 
-    statistic_cls = MovingAverage
+    statistic_cls = TorchMovingAverage
 
     def __init__(
         self,
@@ -357,7 +372,7 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         **kwargs: `factory_kwargs`, `nan_policy`.
     """
 
-    statistic_cls = MovingAverage
+    statistic_cls = TorchMovingAverage
 
     def __init__(
         self,

@@ -1,0 +1,172 @@
+"""Finite inputs where torch.ao's float32 arithmetic overflows, and the face's
+repairs (beyond torch; everywhere else the numbers are torch's, bit for bit).
+
+Each repair touches only the qparams (or channels) that overflowed::
+
+    finite input                  torch.ao               the face
+    affine max - min above        scale inf, zero        scale and zero point in
+      float32's max (also         point from it          float64 (`repair_qparams`)
+      float_qparams)
+    (q)int32 affine: min / scale  zero point wraps in    zero point in float64,
+      below -2**31                int32 (0 for qint32),  clamped into the range
+                                  clipping the negatives
+    a scale above float32's max   inf                    ValueError: too wide for
+      (custom ranges of 2 levels)                        the quantized range
+    moving average: new - old     running range inf,     that step in float64
+      overflows                   then AssertionError    (`TorchMovingAverage`)
+    float64 batch beyond the      inf range, NaN scale   ValueError (`cast_range`)
+      float32 buffers
+    histogram: max - min          histc counts nothing:  the observed range's
+      overflows                   NaN scale              qparams, with a warning
+                                                         (`HistogramObserver`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantobs.core.qparams.torch_rule import SYMMETRIC_QSCHEMES, TorchAORule
+from quantobs.stats.base import Batch
+from quantobs.stats.minmax import MovingAverage
+
+__all__ = ["TorchMovingAverage", "cast_range", "repair_qparams"]
+
+_INT32_MIN = -(2**31)
+
+
+def _too_wide(
+    owner: str, rule: TorchAORule, low: torch.Tensor, high: torch.Tensor
+) -> ValueError:
+    return ValueError(
+        f"{owner}: the observed range [{float(low):g}, {float(high):g}] is too "
+        f"wide for {rule.dtype} with quant_min={rule.quant_min}, quant_max="
+        f"{rule.quant_max}: its scale exceeds the float32 maximum. Use a wider "
+        "quantized range (quant_min / quant_max), or clip or rescale the input."
+    )
+
+
+def repair_qparams(
+    rule: TorchAORule,
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    owner: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's `(scale, zero_point)` of a range, repaired where its float32
+    arithmetic overflowed on a finite range (module table).
+
+    Qparams of finite ranges that did not overflow are returned untouched;
+    an overflowed scale is recomputed in float64 (from half the range, which
+    cannot overflow) and an affine zero point from it, rounded and clamped
+    into `[quant_min, quant_max]` (so the represented range still holds the
+    observed one). Non-finite ranges (`nan_policy="propagate"`) and
+    unobserved ones keep torch's results.
+
+    Args:
+        rule: the observer's rule (dtype, qscheme, range, eps).
+        min_val: the range's minimum, `()` or `(C,)`.
+        max_val: its maximum.
+        scale: `rule(min_val, max_val)[0]`.
+        zero_point: `rule(min_val, max_val)[1]`.
+        owner: the observer's name, for the error.
+
+    Raises:
+        ValueError: a scale that does not fit in float32 even computed
+            exactly (a range too wide for the quantized range).
+    """
+    if min_val.numel() != scale.numel():  # unobserved: torch's defaults
+        return scale, zero_point
+    low, high = min_val.reshape(scale.shape), max_val.reshape(scale.shape)
+    observed = torch.isfinite(low) & torch.isfinite(high)
+    wide = observed & ~torch.isfinite(scale)
+    symmetric = rule.qscheme in SYMMETRIC_QSCHEMES
+    float_zero_point = rule.qscheme == torch.per_channel_affine_float_qparams
+    affine = not (symmetric or float_zero_point)
+    min_neg = torch.clamp(low, max=0)
+    wraps = torch.zeros_like(wide)
+    if affine:  # torch casts round(min_neg / scale) to int32
+        wraps = observed & (torch.round(min_neg / scale) < _INT32_MIN)
+    if not bool((wide | wraps).any()):
+        return scale, zero_point
+
+    lo64, hi64 = low.double(), high.double()
+    half_levels = (rule.quant_max - rule.quant_min) / 2
+    if symmetric:
+        exact = torch.maximum(-lo64, hi64).clamp(min=0) / half_levels
+    elif float_zero_point:  # the raw range
+        exact = (hi64 / 2 - lo64 / 2) / half_levels
+    else:  # the range extended to include 0
+        exact = (hi64.clamp(min=0) / 2 - min_neg.double() / 2) / half_levels
+    if not float_zero_point:  # torch's floor
+        exact = torch.maximum(exact, torch.as_tensor(rule.eps).to(exact))
+    fitted = exact.to(scale.dtype)
+    if not bool(torch.isfinite(fitted[wide]).all()):
+        index = int(torch.nonzero(wide & ~torch.isfinite(fitted)).flatten()[0])
+        raise _too_wide(owner, rule, low.flatten()[index], high.flatten()[index])
+    scale = torch.where(wide, fitted, scale)
+
+    if float_zero_point:
+        zero_point = torch.where(wide, -1 * low / scale, zero_point)
+    elif affine:
+        exact_zp = rule.quant_min - torch.round(min_neg.double() / scale.double())
+        exact_zp = torch.clamp(exact_zp, rule.quant_min, rule.quant_max)
+        zero_point = torch.where(
+            wide | wraps, exact_zp.to(zero_point.dtype), zero_point
+        )
+    return scale, zero_point
+
+
+def cast_range(
+    owner: str, low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's range `(low, high)` cast to the buffers' `dtype`.
+
+    Raises:
+        ValueError: a finite end that overflows `dtype` (a float64 batch
+            beyond float32 buffers: torch's range would be infinite).
+    """
+    cast = low.to(dtype), high.to(dtype)
+    for found, to in zip((low, high), cast, strict=True):
+        overflow = torch.isinf(to) & torch.isfinite(found)
+        if bool(overflow.any()):
+            value = float(found[overflow].flatten()[0])
+            raise ValueError(
+                f"{owner} got a {found.dtype} value {value:g} beyond the range "
+                f"of its {dtype} buffers (+-{torch.finfo(dtype).max:g}). Build "
+                "the observer with factory_kwargs={'dtype': torch.float64}, or "
+                "clip or rescale the input."
+            )
+    return cast
+
+
+def _redo_step(
+    old: torch.Tensor, new: torch.Tensor, stepped: torch.Tensor, constant: float
+) -> torch.Tensor:
+    """`stepped` with each step of finite ends that overflowed redone in
+    float64, as `old * (1 - c) + new * c` (a weighted mean: it cannot
+    overflow, and its float32 value lies between the ends)."""
+    bad = torch.isinf(stepped) & torch.isfinite(old) & torch.isfinite(new)
+    if not bool(bad.any()):
+        return stepped
+    blended = old.double() * (1 - constant) + new.double() * constant
+    return torch.where(bad, blended.to(stepped.dtype), stepped)
+
+
+@dataclass(frozen=True)
+class TorchMovingAverage(MovingAverage):
+    """torch's moving average (`MovingAverage`, `form="step"`) whose steps
+    do not overflow: `old + c * (new - old)` in the buffers' dtype, as torch
+    computes it, except where `new - old` overflows that dtype (ends of
+    opposite signs near its maximum) and torch's range becomes infinite;
+    those steps are redone in float64."""
+
+    def update(self, batch: Batch) -> TorchMovingAverage:
+        stepped = super().update(batch)
+        low = _redo_step(self.min_vals, batch.min_vals, stepped.min_vals, self.constant)
+        high = _redo_step(
+            self.max_vals, batch.max_vals, stepped.max_vals, self.constant
+        )
+        return TorchMovingAverage(low, high, stepped.count, self.constant, self.form)
