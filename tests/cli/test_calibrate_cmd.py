@@ -236,7 +236,7 @@ def test_errors_exit_2_with_a_message(
         (["--scheme", "W8A8", "--model", str(no_config), "--out", out],
          "has no config.json"),
         (["--scheme", "W8A8", "--data", str(tmp_path / "missing.txt"), "--out", out],
-         "cannot read calibration data: no such file"),
+         "cannot read the calibration data: no such file"),
         (["--scheme", "W8A8", "--data", str(bad_jsonl), "--out", out],
          'bad.jsonl:2: expected a JSON object with a "text" field'),
         (["--scheme", "MXFP8", *data, "--out", out],

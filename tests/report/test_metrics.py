@@ -15,6 +15,7 @@ from quantobs.report.metrics import (
     pairwise_spearman,
     spearman,
     sqnr_db,
+    sqnr_db_from_energies,
 )
 
 
@@ -168,6 +169,31 @@ def test_sqnr_db_hand_case() -> None:
 def test_sqnr_db_rejects(x: torch.Tensor, x_hat: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sqnr_db(x, x_hat)
+
+
+def test_sqnr_db_from_energies_hand_case() -> None:
+    # Two batches: x = [3, 4] estimated as [3, 3], then x = [0, 5] as [0, 5]:
+    # signal 25 + 25 = 50, noise 1 + 0 = 1, 10 log10(50) = 16.9897 dB.
+    assert sqnr_db_from_energies(25.0 + 25.0, 1.0 + 0.0) == pytest.approx(
+        10 * math.log10(50), rel=1e-12
+    )
+    assert sqnr_db_from_energies(0.0, 0.0) == math.inf
+    assert sqnr_db_from_energies(1.0, 0.0) == math.inf
+    assert sqnr_db_from_energies(0.0, 2.0) == -math.inf
+
+
+@pytest.mark.parametrize(
+    ("signal", "noise", "match"),
+    [
+        (-1.0, 1.0, "signal energy"),
+        (1.0, -0.5, "noise energy"),
+        (math.nan, 1.0, "signal energy"),
+        (1.0, math.inf, "noise energy"),
+    ],
+)
+def test_sqnr_db_from_energies_rejects(signal: float, noise: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sqnr_db_from_energies(signal, noise)
 
 
 # ---------------------------------------------------------------- bad input

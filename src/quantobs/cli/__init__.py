@@ -2,13 +2,16 @@
 
     quantobs weights [--model PATH] [--scheme NAME] [--limit N]
                      [--format table|json|csv]
+    quantobs compare [--model DIR] [--schemes ...] [--observers ...] [--quick]
+                     [--report DIR] [...]   (see `quantobs.cli.compare_cmd`)
     quantobs calibrate [--model DIR] --scheme NAME --out DIR [...]
                      (see `quantobs.cli.calibrate_cmd`)
     quantobs info    versions, and which backend runs the kernels
 
-Exit codes: 0 success, 2 a usage error (bad option, unknown scheme, missing
-model path, unreadable data, existing output directory), 1 an unexpected
-failure.
+Exit codes: 0 success, 2 a usage error (bad option, unknown scheme or
+observer, missing model path, a model transformers cannot load, unreadable
+or empty data, a layer the scheme cannot take, an existing or unwritable
+output directory), 1 an unexpected failure.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     weights.set_defaults(handler=_run_weights)
 
     from quantobs.cli.calibrate_cmd import add_parser as add_calibrate
+    from quantobs.cli.compare_cmd import add_parser as add_compare
 
+    add_compare(commands)
     add_calibrate(commands)
 
     info = commands.add_parser(

@@ -4,7 +4,8 @@ checkpoint.
     quantobs calibrate [--model DIR] --scheme NAME
                        [--observer NAME | --weight-observer NAME
                         --input-observer NAME]
-                       [--data FILE] [--batch-size 16] [--max-length 128]
+                       [--data FILE] [--heldout FILE]
+                       [--batch-size 16] [--max-length 128]
                        [--ignore PATTERN ...] --out DIR
                        [--resume STATE] [--save-state STATE]
                        [--distributed] [--no-progress]
@@ -13,7 +14,9 @@ Loads the model with `AutoModel` and `AutoTokenizer` (offline), attaches the
 observers of the preset scheme, optionally resumes a saved calibration
 state, calibrates on `--data` (or the packaged calibration corpus), optionally
 saves the state, writes the checkpoint with `save_compressed` and prints the
-report and the checkpoint's path. With `--distributed` (under `torchrun`),
+report, the held-out metrics of the quantized model against the unquantized
+one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
+the checkpoint's path. With `--distributed` (under `torchrun`),
 each process calibrates its contiguous share of the batches and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
 """
@@ -27,6 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from quantobs.cli.arguments import positive_int
+from quantobs.cli.inputs import (
+    POOLER_IGNORE,
+    UsageError,
+    default_ignore,
+    load_model,
+    model_dir,
+    scheme_name,
+    texts,
+)
 
 __all__ = ["add_parser", "run_calibrate", "shard"]
 
@@ -34,14 +46,7 @@ _EXIT_OK = 0
 _EXIT_USAGE = 2
 _DEFAULT_BATCH_SIZE = 16
 _DEFAULT_MAX_LENGTH = 128
-#: modules ignored when --ignore is not given and the model has them (BERT's
-#: pooler: a dense layer outside the encoder, left in full precision)
-_POOLER_IGNORE = "re:.*pooler.*"
 _TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class _UsageError(Exception):
-    """A problem with the options or inputs: printed, exit code 2."""
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -98,6 +103,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "per line); default: quantobs' packaged corpus of 200 sentences",
     )
     parser.add_argument(
+        "--heldout",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="held-out texts the result is evaluated on, same formats as --data "
+        "(default: quantobs' packaged corpus of 100 sentences)",
+    )
+    parser.add_argument(
         "--batch-size",
         type=positive_int,
         default=_DEFAULT_BATCH_SIZE,
@@ -117,7 +130,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="PATTERN",
         help="module names or 're:' expressions left unquantized (default: "
-        f"{_POOLER_IGNORE!r} when the model has a pooler, else none)",
+        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
     )
     parser.add_argument(
         "--out",
@@ -162,60 +175,18 @@ def shard(count: int, rank: int, world: int) -> range:
 # ------------------------------------------------------------ the steps
 
 
-def _scheme(name: str) -> str:
-    from quantobs import PRESET_SCHEMES
-
-    scheme = name.strip().upper()
-    if scheme not in PRESET_SCHEMES:
-        raise _UsageError(
-            f"unknown scheme {name!r}; available presets: {', '.join(PRESET_SCHEMES)}"
-        )
-    return scheme
-
-
-def _model_dir(model: Path | None) -> Path:
-    if model is None:
-        from quantobs.cli.default_model import default_model_path
-
-        try:
-            return default_model_path().parent
-        except FileNotFoundError as error:
-            raise _UsageError(str(error)) from None
-    if not model.is_dir():
-        raise _UsageError(
-            f"model directory {str(model)!r} does not exist or is not a directory; "
-            "pass a Hugging Face model directory (config.json, weights, tokenizer)"
-        )
-    if not (model / "config.json").is_file():
-        raise _UsageError(f"{model} has no config.json: not a Hugging Face model")
-    return model
-
-
-def _texts(data: Path | None) -> list[str]:
-    from quantobs.data import calibration_texts, read_texts
-
-    if data is None:
-        return calibration_texts()
-    try:
-        return read_texts(data)
-    except (OSError, ValueError) as error:
-        raise _UsageError(f"cannot read calibration data: {error}") from None
-
-
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise _UsageError(f"--out {out} exists and is not a directory")
+        raise UsageError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        raise _UsageError(
-            f"--out {out} exists and is not empty; choose a new directory"
-        )
+        raise UsageError(f"--out {out} exists and is not empty; choose a new directory")
 
 
 def _recipe(options: argparse.Namespace, scheme: str, ignore: list[str]) -> Any:
     from quantobs.calibration import Recipe
 
     if options.observer is not None and options.input_observer is not None:
-        raise _UsageError(
+        raise UsageError(
             "--observer sets both observers; use it, or --weight-observer and "
             "--input-observer"
         )
@@ -233,27 +204,9 @@ def _check_format(options: argparse.Namespace, scheme: str) -> None:
     try:
         checkpoint_formats(_recipe(options, scheme, []))
     except ValueError as error:
-        raise _UsageError(
+        raise UsageError(
             f"scheme {scheme} cannot be written as a checkpoint: {error}"
         ) from None
-
-
-def _load(model_dir: Path) -> tuple[Any, Any]:
-    import transformers
-
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            model_dir, local_files_only=True
-        )
-        model = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        raise _UsageError(f"cannot load the model from {model_dir}: {error}") from None
-    return model.eval(), tokenizer
-
-
-def _default_ignore(model: Any) -> list[str]:
-    names = (name for name, _ in model.named_modules())
-    return [_POOLER_IGNORE] if any("pooler" in name for name in names) else []
 
 
 class _Distributed:
@@ -270,7 +223,7 @@ class _Distributed:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             return
         if missing:
-            raise _UsageError(
+            raise UsageError(
                 "--distributed needs the environment torchrun sets ("
                 + ", ".join(missing)
                 + " missing); run `torchrun --nproc-per-node N -m quantobs "
@@ -304,35 +257,54 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
         save_state,
         text_batches,
     )
+    from quantobs.data import calibration_texts, heldout_texts
+    from quantobs.report.evaluate import HeldOut, evaluate
 
-    scheme = _scheme(options.scheme)
-    model_dir = _model_dir(options.model)
-    texts = _texts(options.data)
+    scheme = scheme_name(options.scheme)
+    directory = model_dir(options.model)
+    calibration = texts(options.data, calibration_texts(), "calibration")
+    held_out_texts = texts(options.heldout, heldout_texts(), "held-out")
+    if len(held_out_texts) < 3:
+        raise UsageError(
+            f"--heldout has {len(held_out_texts)} text(s); the metrics need 3"
+        )
     out: Path = options.out
     _check_out(out)
     _check_format(options, scheme)
-    model, tokenizer = _load(model_dir)
+    model, tokenizer = load_model(directory)
     if group is not None and group.device is not None:
         model.to(group.device)
-    ignore = _default_ignore(model) if options.ignore is None else options.ignore
+    ignore = default_ignore(model) if options.ignore is None else options.ignore
+    held_out = HeldOut.of(
+        model,
+        text_batches(
+            tokenizer,
+            held_out_texts,
+            batch_size=options.batch_size,
+            max_length=options.max_length,
+        ),
+    )
     try:
         attach(model, _recipe(options, scheme, list(ignore)))
     except (KeyError, ValueError, TypeError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error
-        raise _UsageError(f"cannot attach the observers: {message}") from None
+        raise UsageError(f"cannot attach the observers: {message}") from None
     if options.resume is not None:
         try:
             load_state(model, options.resume)
         except (OSError, ValueError) as error:
-            raise _UsageError(f"cannot resume from {options.resume}: {error}") from None
+            raise UsageError(f"cannot resume from {options.resume}: {error}") from None
     batches = text_batches(
-        tokenizer, texts, batch_size=options.batch_size, max_length=options.max_length
+        tokenizer,
+        calibration,
+        batch_size=options.batch_size,
+        max_length=options.max_length,
     )
     rank = 0
     if group is not None:
         rank = group.rank
         if len(batches) < group.world:
-            raise _UsageError(
+            raise UsageError(
                 f"{len(batches)} batches for {group.world} processes: every "
                 "process needs at least one (more texts or a smaller --batch-size)"
             )
@@ -345,7 +317,7 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
             sync=group is not None,
         )
     except RuntimeError as error:
-        raise _UsageError(f"calibration failed: {error}") from None
+        raise UsageError(f"calibration failed: {error}") from None
     if group is not None:
         # compressed-tensors compresses in parallel over an initialized
         # process group: closed first, process 0 writes the whole checkpoint
@@ -355,10 +327,11 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     try:
         if options.save_state is not None:
             save_state(model, options.save_state)
-        path = save_compressed(model, out, source_dir=model_dir)
+        path = save_compressed(model, out, source_dir=directory)
     except (OSError, ValueError) as error:
-        raise _UsageError(str(error)) from None
+        raise UsageError(str(error)) from None
     print(report)
+    print(evaluate(model, held_out).summary())
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
@@ -371,7 +344,7 @@ def run_calibrate(options: argparse.Namespace) -> int:
         if options.distributed:
             group = _Distributed()
         _calibrate(options, group)
-    except _UsageError as error:
+    except UsageError as error:
         print(f"quantobs: error: {error}", file=sys.stderr)
         return _EXIT_USAGE
     finally:

@@ -7,6 +7,7 @@ from quantobs.report.metrics import (
     pairwise_spearman,
     spearman,
     sqnr_db,
+    sqnr_db_from_energies,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "pairwise_spearman",
     "spearman",
     "sqnr_db",
+    "sqnr_db_from_energies",
 ]

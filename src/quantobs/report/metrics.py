@@ -30,6 +30,7 @@ __all__ = [
     "pairwise_spearman",
     "spearman",
     "sqnr_db",
+    "sqnr_db_from_energies",
 ]
 
 
@@ -303,6 +304,20 @@ def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     _check_finite("x_hat", x_hat_64)
     signal = float(x_64.square().sum())
     noise = float((x_64 - x_hat_64).square().sum())
+    return sqnr_db_from_energies(signal, noise)
+
+
+def sqnr_db_from_energies(signal: float, noise: float) -> float:
+    """`sqnr_db` from the summed energies ``sum x^2`` and ``sum (x - x_hat)^2``
+    (accumulated over batches): ``10 * log10(signal / noise)``, with the
+    same table of edge cases.
+
+    Raises:
+        ValueError: a negative or non-finite energy.
+    """
+    for name, energy in (("signal", signal), ("noise", noise)):
+        if not math.isfinite(energy) or energy < 0:
+            raise ValueError(f"{name} energy must be finite and >= 0, got {energy}")
     if noise == 0:
         return math.inf
     if signal == 0:

@@ -1,0 +1,226 @@
+"""The calibrated model as compressed-tensors sees it: the copy that
+`save_compressed` compresses and `quantobs compare` evaluates.
+
+`compressed_tensors_copy(model)` deep-copies a calibrated model (its
+observers and hooks stay on the original), applies the recipe's
+compressed-tensors config to the copy and copies the calibrated qparams into
+the parameters compressed-tensors created, in its dtypes and shapes. The
+copy's forward is compressed-tensors' own fake quantization (weights and
+static activations with our qparams, dynamic activations computed on the
+fly), which is what an inference engine computes from the checkpoint; its
+`ModelCompressor` writes the checkpoint from it.
+
+Needs the `export` extra (compressed-tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from quantobs.calibration.attach import (
+    QPARAM_KINDS,
+    Attachment,
+    attachment_of,
+    detach,
+)
+from quantobs.core.args import QuantizationArgs
+from quantobs.core.layout import BASE_NAMES
+
+__all__ = ["calibrated_qparams", "compressed_tensors_copy"]
+
+#: the format of the copy when none is given: the forward does not depend on it
+_DENSE = "dense"
+_MIXED = "mixed-precision"
+
+
+def _qparam_names(base_name: str, args: QuantizationArgs) -> list[str]:
+    """The qparams calibration writes for one entry."""
+    names = [] if args.dynamic == "local" else [f"{base_name}_scale"]
+    if args.strategy == "tensor_group":
+        names.append(f"{base_name}_global_scale")
+    return names
+
+
+def calibrated_qparams(attachment: Attachment) -> dict[str, dict[str, torch.Tensor]]:
+    """`{module name: {qparam name: tensor}}` written by calibration.
+
+    Raises:
+        RuntimeError: some qparam is missing (the model is not calibrated).
+    """
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    missing: list[str] = []
+    for entry in attachment.entries:
+        module = entry.module
+        for name in _qparam_names(entry.base_name, entry.args):
+            if not isinstance(module._parameters.get(name), torch.Tensor):
+                missing.append(f"{entry.name}.{name}" if entry.name else name)
+        own = found.setdefault(entry.name, {})
+        for kind in QPARAM_KINDS:
+            value = module._parameters.get(f"{entry.base_name}_{kind}")
+            if isinstance(value, torch.Tensor):
+                own[f"{entry.base_name}_{kind}"] = value.detach()
+    if missing:
+        raise RuntimeError(
+            f"the model is not calibrated: {len(missing)} qparam(s) missing "
+            f"(e.g. {', '.join(missing[:3])}); run "
+            "quantobs.calibration.calibrate(model, batches) before save_compressed"
+        )
+    return found
+
+
+def _ct_qparams(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """The qparam parameters compressed-tensors registered on `module`."""
+    names = {f"{base}_{kind}" for base in BASE_NAMES for kind in QPARAM_KINDS}
+    for name, param in module._parameters.items():
+        if name in names and param is not None:
+            yield name, param
+
+
+def _fill_qparams(
+    model: torch.nn.Module, qparams: Mapping[str, Mapping[str, torch.Tensor]]
+) -> None:
+    """Copy the calibrated qparams into compressed-tensors' parameters.
+
+    Raises:
+        ValueError: compressed-tensors expects a qparam calibration did not
+            write, has no place for one it did (the checkpoint would lose it),
+            or expects another shape.
+    """
+    used: set[tuple[str, str]] = set()
+    for module_name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        ours = qparams.get(module_name, {})
+        for name, param in _ct_qparams(module):
+            value = ours.get(name)
+            where = f"{module_name}.{name}"
+            if value is None:
+                if name.endswith("_zero_point"):
+                    continue  # symmetric: compressed-tensors' zeros, then dropped
+                raise ValueError(
+                    f"compressed-tensors expects {where}, which calibration did not "
+                    "write; the recipe and the model's quantization disagree"
+                )
+            if value.numel() != param.numel():
+                raise ValueError(
+                    f"{where}: calibrated shape {list(value.shape)} is not "
+                    f"compressed-tensors' {list(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value.reshape(param.shape).to(param.dtype))
+            used.add((module_name, name))
+    lost = [
+        f"{module}.{name}"
+        for module, names in qparams.items()
+        for name in names
+        if (module, name) not in used
+    ]
+    if lost:
+        raise ValueError(
+            f"compressed-tensors keeps no place for {', '.join(lost[:5])}"
+            f"{' ...' if len(lost) > 5 else ''}: it does not quantize these "
+            "modules or tensors (e.g. attention states of a model it does not "
+            "treat as attention); remove them from the recipe to export"
+        )
+
+
+_SAME_FIELDS = (
+    "num_bits",
+    "type",
+    "symmetric",
+    "strategy",
+    "group_size",
+    "block_structure",
+    "dynamic",
+)
+_CT_PART = {
+    "weight": "weights",
+    "input": "input_activations",
+    "output": "output_activations",
+}
+
+
+def _check_schemes(model: torch.nn.Module, attachment: Attachment) -> None:
+    """Raise unless compressed-tensors gave every calibrated weight, input and
+    output the args quantobs calibrated it under (both resolve a module that
+    several config groups target, each its own way)."""
+    for entry in attachment.entries:
+        part = _CT_PART.get(entry.base_name)
+        if part is None:
+            continue
+        scheme = getattr(model.get_submodule(entry.name), "quantization_scheme", None)
+        ct_args = getattr(scheme, part, None)
+        ours = entry.args.to_compressed_tensors()
+        if ct_args is None or any(
+            getattr(ct_args, f) != getattr(ours, f) for f in _SAME_FIELDS
+        ):
+            raise ValueError(
+                f"compressed-tensors quantizes {entry.key} otherwise than the "
+                f"recipe's config group {entry.group!r} (its targets and ignore "
+                "list resolve differently where several groups match one module); "
+                "make the config groups' targets disjoint"
+            )
+
+
+def _drop_symmetric_zero_points(model: torch.nn.Module) -> None:
+    """Remove the zero points of symmetric attention states (all zeros,
+    forced by compressed-tensors' initialization; its compressors drop those
+    of weights and activations, not these)."""
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        args = getattr(scheme, "input_activations", None)
+        if args is None or not args.symmetric:
+            continue
+        for base in ("q", "k", "v"):
+            if f"{base}_zero_point" in module._parameters:
+                delattr(module, f"{base}_zero_point")
+
+
+def _model_format(formats: Mapping[str, str]) -> str:
+    stored = {f for f in formats.values() if f != _DENSE}
+    return stored.pop() if len(stored) == 1 else _MIXED
+
+
+def compressed_tensors_copy(
+    model: torch.nn.Module, formats: Mapping[str, str] | None = None
+) -> torch.nn.Module:
+    """A deep copy of the calibrated `model` quantized by compressed-tensors.
+
+    The copy has no observers or hooks of ours; its quantized modules hold
+    `quantization_scheme` and the calibrated qparams as compressed-tensors
+    parameters, and their forward fake-quantizes (compressed-tensors'
+    `forward_quantize`). The model is not modified.
+
+    Args:
+        model: a model calibrated with its observers attached.
+        formats: `{config group: compressed-tensors format}` for a checkpoint
+            (`checkpoint_formats`); None for evaluation only (dense).
+
+    Returns:
+        The copy, on the model's device, in eval mode as the model is.
+
+    Raises:
+        RuntimeError: no observers attached, or the model is not calibrated.
+        ValueError: compressed-tensors resolves a module otherwise than the
+            recipe, or has no place for a calibrated qparam.
+    """
+    from compressed_tensors.quantization import apply_quantization_config
+
+    attachment = attachment_of(model)
+    qparams = calibrated_qparams(attachment)
+    groups = attachment.recipe.config_groups
+    formats = formats if formats is not None else dict.fromkeys(groups, _DENSE)
+    config = attachment.recipe.to_compressed_tensors(_model_format(formats))
+    for group, scheme in config.config_groups.items():
+        scheme.format = formats[group]
+    clone = copy.deepcopy(model)
+    detach(clone)  # the copy's observers and hooks; the model keeps its own
+    apply_quantization_config(clone, config, show_progress=False)
+    _check_schemes(clone, attachment)
+    _fill_qparams(clone, qparams)
+    _drop_symmetric_zero_points(clone)
+    return clone

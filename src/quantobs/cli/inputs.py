@@ -1,0 +1,126 @@
+"""Reading and checking the inputs of `quantobs calibrate` and `compare`.
+
+Each check raises `UsageError` with one line that says what is wrong and
+what to do; the commands print it and exit with code 2. Everything is
+checked before any long work starts and before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "POOLER_IGNORE",
+    "UsageError",
+    "default_ignore",
+    "load_model",
+    "model_dir",
+    "observer_name",
+    "scheme_name",
+    "texts",
+]
+
+#: modules ignored when --ignore is not given and the model has them (BERT's
+#: pooler: a dense layer outside the encoder, left in full precision)
+POOLER_IGNORE = "re:.*pooler.*"
+
+
+class UsageError(Exception):
+    """A problem with the options or inputs: printed, exit code 2."""
+
+
+def scheme_name(name: str) -> str:
+    """The preset scheme `name` (case-insensitive) in its canonical spelling."""
+    from quantobs import PRESET_SCHEMES
+
+    scheme = name.strip().upper()
+    if scheme not in PRESET_SCHEMES:
+        raise UsageError(
+            f"unknown scheme {name!r}; available presets: {', '.join(PRESET_SCHEMES)}"
+        )
+    return scheme
+
+
+def observer_name(name: str, extra: Sequence[str] = ()) -> str:
+    """A registered observer name (or one of `extra`), normalized."""
+    from quantobs.observers.base import Observer
+
+    key = name.strip().lower().replace("-", "_")
+    valid = sorted({*Observer.registry.names(), *extra})
+    if key not in valid:
+        raise UsageError(f"unknown observer {name!r}; valid names: {', '.join(valid)}")
+    return key
+
+
+def model_dir(model: Path | None) -> Path:
+    """The model directory: `model`, or the embedded default's.
+
+    Raises:
+        UsageError: not a directory, no `config.json`, or no `.safetensors`
+            weights.
+    """
+    if model is None:
+        from quantobs.cli.default_model import default_model_path
+
+        try:
+            return default_model_path().parent
+        except FileNotFoundError as error:
+            raise UsageError(str(error)) from None
+    if not model.is_dir():
+        raise UsageError(
+            f"model directory {str(model)!r} does not exist or is not a directory; "
+            "pass a Hugging Face model directory (config.json, weights, tokenizer)"
+        )
+    if not (model / "config.json").is_file():
+        raise UsageError(f"{model} has no config.json: not a Hugging Face model")
+    if not any(model.glob("*.safetensors")):
+        raise UsageError(
+            f"{model} holds no .safetensors weights; quantobs reads safetensors "
+            "checkpoints only (convert with transformers' save_pretrained)"
+        )
+    return model
+
+
+def texts(data: Path | None, default: Sequence[str], what: str) -> list[str]:
+    """The texts of `data` (see `quantobs.data.read_texts`), or `default`."""
+    from quantobs.data import read_texts
+
+    if data is None:
+        return list(default)
+    try:
+        return read_texts(data)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read the {what} data: {error}") from None
+
+
+def load_model(directory: Path) -> tuple[Any, Any]:
+    """`(model, tokenizer)` of `directory` with transformers' `AutoModel` and
+    `AutoTokenizer`, offline; the model in eval mode."""
+    import transformers
+    from transformers.utils import logging
+
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # transformers' "Loading weights" bar
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            directory, local_files_only=True
+        )
+        model = transformers.AutoModel.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(
+            f"transformers cannot load the model in {directory}: "
+            f"{type(error).__name__}: {first}"
+        ) from None
+    finally:
+        if bar:
+            logging.enable_progress_bar()
+    return model.eval(), tokenizer
+
+
+def default_ignore(model: Any) -> list[str]:
+    """`[POOLER_IGNORE]` when the model has a pooler, else nothing."""
+    names = (name for name, _ in model.named_modules())
+    return [POOLER_IGNORE] if any("pooler" in name for name in names) else []

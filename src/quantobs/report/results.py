@@ -1,0 +1,173 @@
+"""The results of `quantobs compare`: plain data, JSON-ready.
+
+A `Comparison` holds one `Cell` per (scheme, observer) that was calibrated
+and evaluated, the rows that were not run with the reason (`Skipped`), and
+for the plots the activation histogram of the worst layer with each
+observer's chosen range (`LayerHistogram`). Every number is a Python float
+or int; `Comparison.to_dict()` is what `--format json` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "QUALITY_METRICS",
+    "Cell",
+    "Comparison",
+    "LayerHistogram",
+    "Skipped",
+]
+
+#: The end-to-end metrics of a cell, higher is better, in table order:
+#: (attribute, column title).
+QUALITY_METRICS = (
+    ("cosine_mean", "cos mean"),
+    ("cosine_worst", "cos worst"),
+    ("neighbours", "top-1 agree"),
+    ("spearman", "spearman"),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One calibrated and evaluated (scheme, observer).
+
+    Attributes:
+        scheme: the preset scheme's name (`"W4A16"`).
+        observer: the row's name as the user chose it (`"mse"`).
+        weight_observer: the observer that ran on the weights.
+        input_observer: the observer of the static input activations, or
+            None when the scheme quantizes no input statically.
+        cosine_mean: mean cosine similarity of the held-out sentence
+            embeddings to the unquantized model's.
+        cosine_worst: the smallest of those cosines.
+        neighbours: fraction of held-out sentences whose nearest other
+            sentence is the unquantized model's.
+        spearman: Spearman correlation of all pairwise similarities.
+        weight_sqnr: `{layer: dB}`, each quantized weight.
+        input_sqnr: `{layer: dB}`, each quantized input on held-out data.
+        input_ranges: `{layer: (low, high)}`, the range each static
+            per-tensor input can represent under the calibrated qparams.
+        calibration_seconds: observing the calibration set and computing
+            the qparams.
+        evaluation_seconds: the held-out forward passes and metrics.
+    """
+
+    scheme: str
+    observer: str
+    weight_observer: str
+    input_observer: str | None
+    cosine_mean: float
+    cosine_worst: float
+    neighbours: float
+    spearman: float
+    weight_sqnr: dict[str, float]
+    input_sqnr: dict[str, float]
+    input_ranges: dict[str, tuple[float, float]]
+    calibration_seconds: float
+    evaluation_seconds: float
+
+    @property
+    def mean_weight_sqnr(self) -> float | None:
+        """The mean of the per-layer weight SQNRs (dB); None if no layer."""
+        return _mean(self.weight_sqnr.values())
+
+    @property
+    def mean_input_sqnr(self) -> float | None:
+        """The mean of the per-layer input SQNRs (dB); None when the scheme
+        quantizes no input."""
+        return _mean(self.input_sqnr.values())
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A (scheme, observer) that was not run, and why (e.g. it would run
+    exactly the observers of another row)."""
+
+    scheme: str
+    observer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LayerHistogram:
+    """The held-out input values of one layer, binned, and the range each
+    observer chose for it (the plot of the worst layer).
+
+    Attributes:
+        scheme: the scheme whose calibrations chose the ranges.
+        layer: the module name.
+        edges: `bins + 1` increasing bin edges.
+        counts: `bins` counts of the unquantized model's input values.
+        ranges: `{observer: (low, high)}`.
+    """
+
+    scheme: str
+    layer: str
+    edges: list[float]
+    counts: list[int]
+    ranges: dict[str, tuple[float, float]]
+
+
+@dataclass
+class Comparison:
+    """Everything `quantobs compare` measured.
+
+    Attributes:
+        model: the model directory.
+        schemes: the schemes in the order asked.
+        observers: the observer rows in the order asked.
+        calibration_texts: the number of calibration texts.
+        heldout_texts: the number of held-out texts.
+        cells: the (scheme, observer) results.
+        skipped: the rows not run, with the reason.
+        histogram: the worst layer's histogram, when a scheme has static
+            per-tensor inputs.
+        seconds: the whole comparison's wall time.
+    """
+
+    model: str
+    schemes: list[str]
+    observers: list[str]
+    calibration_texts: int
+    heldout_texts: int
+    cells: list[Cell] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    histogram: LayerHistogram | None = None
+    seconds: float = 0.0
+
+    def cells_of(self, scheme: str) -> list[Cell]:
+        """The cells of `scheme`, in observer order."""
+        return [cell for cell in self.cells if cell.scheme == scheme]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: infinite SQNRs (an exactly representable
+        tensor) become the strings "inf" / "-inf"; a metric that does not
+        apply is None."""
+        data = dataclasses.asdict(self)
+        for cell, raw in zip(self.cells, data["cells"], strict=True):
+            raw["mean_weight_sqnr"] = cell.mean_weight_sqnr
+            raw["mean_input_sqnr"] = cell.mean_input_sqnr
+        result: dict[str, Any] = _json_floats(data)
+        return result
+
+
+def _mean(values: Any) -> float | None:
+    numbers = [float(v) for v in values]
+    return math.fsum(numbers) / len(numbers) if numbers else None
+
+
+def _json_floats(value: Any) -> Any:
+    """`value` with non-finite floats as strings (JSON has no inf or NaN);
+    tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: _json_floats(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_floats(item) for item in value]
+    return value
