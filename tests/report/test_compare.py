@@ -219,3 +219,26 @@ def test_json_ready(comparison: Comparison) -> None:
         c.observer for c in comparison.cells
     ]
     assert back["cells"][0]["mean_input_sqnr"] is None  # W4A16: no inputs
+
+
+def test_evaluation_is_compressed_tensors_forward(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    # evaluate fake-quantizes each weight once instead of in every forward;
+    # the embeddings are those of compressed-tensors' own quantized forward
+    import copy
+
+    from quantobs.calibration.simulate import compressed_tensors_copy
+    from quantobs.report.evaluate import embed
+    from quantobs.report.metrics import cosine_to_reference
+
+    model, tokenizer = tiny
+    held_out = HeldOut.of(model, text_batches(tokenizer, HELDOUT, batch_size=2))
+    calibrated = copy.deepcopy(model)
+    attach(calibrated, Recipe.from_scheme("NVFP4", ignore=IGNORE))
+    calibrate(calibrated, text_batches(tokenizer, TEXTS, batch_size=3), progress=False)
+    theirs = embed(compressed_tensors_copy(calibrated), held_out.batches)
+    expected = cosine_to_reference(held_out.reference, theirs)
+    assert evaluate(calibrated, held_out).cosine_mean == pytest.approx(
+        expected[0], abs=1e-12
+    )

@@ -120,7 +120,13 @@ def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return found
 
 
-def _weight_sqnr(parts: list[tuple[str, torch.nn.Module, Any]]) -> dict[str, float]:
+def _quantize_weights(
+    parts: list[tuple[str, torch.nn.Module, Any]],
+) -> dict[str, float]:
+    """Fake-quantize each weight once, in place (compressed-tensors'
+    `forward_quantize`), and mark the module compressed so its forward does
+    not repeat it on every batch; returns `{layer: weight SQNR dB}`."""
+    from compressed_tensors.quantization import QuantizationStatus
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
     found = {}
@@ -133,6 +139,8 @@ def _weight_sqnr(parts: list[tuple[str, torch.nn.Module, Any]]) -> dict[str, flo
             signal = float(weight.double().square().sum())
             noise = float((weight.double() - fake.double()).square().sum())
             found[name] = sqnr_db_from_energies(signal, noise)
+            weight.copy_(fake)
+            module.quantization_status = QuantizationStatus.COMPRESSED
     return found
 
 
@@ -178,6 +186,7 @@ def evaluate(model: torch.nn.Module, held_out: HeldOut) -> Evaluation:
     """
     quantized = compressed_tensors_copy(model)
     parts = _quantized_parts(quantized)
+    weight_sqnr = _quantize_weights(parts)
     energies = _InputEnergies(parts)
     try:
         test = embed(quantized, held_out.batches)
@@ -189,7 +198,7 @@ def evaluate(model: torch.nn.Module, held_out: HeldOut) -> Evaluation:
         cosine_worst=cosine_worst,
         neighbours=neighbour_agreement(held_out.reference, test),
         spearman=pairwise_spearman(held_out.reference, test),
-        weight_sqnr=_weight_sqnr(parts),
+        weight_sqnr=weight_sqnr,
         input_sqnr=input_sqnr,
     )
 
