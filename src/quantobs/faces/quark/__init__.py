@@ -67,6 +67,20 @@ Deliberate differences from Quark 0.13 (each instead of a bug, or stricter):
   Histogram counts and percentile CDFs are exact int64 (Quark: float32,
   which past 2**24 values cuts the top values). `min_val` / `max_val` of
   histogram observers stay the observed range.
+* Extreme finite inputs give finite positive scales and in-range zero
+  points (Quark: inf / NaN / zero scales, errors or an endless loop):
+  per-tensor histograms stay within 4 times their first bin count however
+  far the range grows, merging whole bins (Quark grows by bins of the first
+  batch's width without limit), and compute in float64 where float32
+  overflows; asymmetric int ranges wider than their dtype holds (`[-3e38,
+  3e38]`, float16 `[-4e4, 4e4]`) are computed in float64; power-of-two
+  scales of subnormal or over-wide ranges are clamped to `2**-126 ..
+  2**127`; a BFP16 block past `127.5 * 2**121` keeps the scale `2**121`
+  (its values saturate; Quark doubles the amax to inf: an infinite
+  scale); `PerTensorHistogramObserverPro` raises `ValueError` for a range
+  wider than float32's max (torch's histogram cannot bin it), and so do
+  the per-tensor histogram and power-of-two observers for float64 values
+  past float32's max (their edges and arithmetic are float32, as Quark's).
 * Static observers raise `ValueError` when the channel count or block layout
   changes between batches (Quark silently restarts from the new batch).
 * The power-of-two observers compute in float32 whatever the input dtype

@@ -17,7 +17,11 @@ exactly, before the arithmetic. A dynamic spec (`is_dynamic`) keeps only the
 latest batch: the statistic restarts with each batch.
 
 NaN / inf inputs raise `ValueError` (Quark returns NaN or inf scales), except
-in `PerBlockBFPObserver`, which maps them to 0 as Quark does.
+in `PerBlockBFPObserver`, which maps them to 0 as Quark does. Finite inputs
+give finite positive scales: an asymmetric int range wider than its dtype
+holds (`max - min` past its max, e.g. `[-3e38, 3e38]` in float32 or `[-4e4,
+4e4]` in float16) is computed in float64 and its scale cast back (Quark:
+infinite scales).
 """
 
 from __future__ import annotations
@@ -317,10 +321,28 @@ class UniformScalingObserver(ObserverBase):
             tensor([0]))` with a warning. Float formats: zero point zeros of
             the scale's dtype.
 
+        Ranges wider than their dtype holds (`max - min` past float32's or
+        float16's max, asymmetric int) are computed in float64 and their
+        scales cast back (Quark: infinite scales); the rest is Quark's
+        arithmetic, in the range's dtype.
+
         Raises:
             ValueError: NaN / inf in the range, or `min_val > max_val`.
         """
-        return self._rule(self.eps)(min_val, max_val)
+        rule = self._rule(self.eps)
+        scale, zero_point = rule(min_val, max_val)
+        wide = ~torch.isfinite(scale)  # a finite range whose spread overflowed
+        if not bool(wide.any()):
+            return scale, zero_point
+        wide_scale, wide_zero_point = rule(min_val.double(), max_val.double())
+        scale = torch.where(wide, wide_scale.to(scale.dtype), scale)
+        zero_point = torch.where(wide, wide_zero_point.to(zero_point.dtype), zero_point)
+        if not bool(torch.isfinite(scale).all()):  # pragma: no cover - >= 3 levels
+            raise ValueError(
+                f"{type(self).__name__}: the range is too wide for "
+                f"{self.dtype.value} scales in {scale.dtype}; scale the input down"
+            )
+        return scale, zero_point
 
     def reset_state(self) -> None:
         """Forget the range."""

@@ -2,9 +2,11 @@
 
 Per tensor (Quark's qscheme) each keeps Quark's growing fixed-width
 histogram (`quantobs.stats.quark_histogram`: 2048 bins; percentile: 4200
-bins, zeros skipped) in the buffers `calib_hist` (int64, exact) and
-`calib_bin_edges`, and searches it when qparams are asked for, once (Quark
-searches after every calibration batch). Symmetric specs histogram `|x|`.
+bins, zeros skipped), bounded (`quantobs.faces.quark.bounded_histogram`: at
+most 4 times those bins, merged beyond), in the buffers `calib_hist` (int64,
+exact) and `calib_bin_edges`, and searches it when qparams are asked for,
+once (Quark searches after every calibration batch). Symmetric specs
+histogram `|x|`.
 
 Beyond Quark, `per_channel` and `per_group` specs work too: one exact-count
 histogram per channel / group (`quantobs.stats.histogram`, power-of-two bin
@@ -31,6 +33,17 @@ Fixes of Quark's bugs (the tests assert the correct numbers):
   1.0 early and cuts the top values even at p = 99.99999999.
 * The asymmetric MSE search fixes the minimum at 0 (negative values all
   quantize to 0); here the minimum is the data minimum.
+* A batch much wider than the first grows Quark's histogram by whole bins
+  of the first width without limit (a 10x wider batch: ~16,000 bins and a
+  search quadratic in them; 1e17x: a loop that never ends; other growths
+  raise `OverflowError` or try to allocate petabytes), and ranges near
+  float32's max give infinite edges. Here the histogram holds at most 4
+  times its first bin count (merging whole bins beyond), and edges, centres
+  and binning go to float64 where float32 would overflow
+  (`quantobs.faces.quark.bounded_histogram`); the MSE search scores only
+  the non-empty bins (the same sums) and values past `2**60` scaled by a
+  power of two (the same order). Past 4 times the first bins, the MSE
+  candidates (bins from `start_bin` on) are bins of the merged grid.
 
 Also: `min_val` / `max_val` hold the observed data range (Quark overwrites
 them with the searched range; per channel / group with zeros skipped, the
@@ -55,12 +68,15 @@ from quantobs.faces.quark.base import (
     UniformScalingObserver,
     per_channel_view,
 )
+from quantobs.faces.quark.bounded_histogram import (
+    BoundedQuarkHistogram,
+    safe_centers,
+)
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig, element_format
 from quantobs.solvers.percentile import percentile_range, percentile_upper
 from quantobs.solvers.quark_histogram import mse_candidates, percentile_bounds
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.histogram import Histogram
-from quantobs.stats.quark_histogram import QuarkHistogram
 from quantobs.stats.reduce import minmax_omit_nonfinite
 
 __all__ = [
@@ -78,6 +94,7 @@ _EXACT_BUFFERS = {
     "offset": "hist_offset",
 }
 _RANGE_BUFFERS = {"min_vals": "min_val", "max_vals": "max_val"}
+_F32_MAX = torch.finfo(torch.float32).max
 Range = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -99,6 +116,8 @@ class PerTensorHistogramObserver(UniformScalingObserver):
     _symmetric_only: ClassVar[bool] = True
     _skip_zeros: ClassVar[bool] = False
     _default_bins: ClassVar[int] = 2048
+    #: The grown histogram holds at most this many times `_default_bins`.
+    _max_bins_factor: ClassVar[int] = 4
     calib_hist: torch.Tensor
     calib_bin_edges: torch.Tensor
 
@@ -129,7 +148,7 @@ class PerTensorHistogramObserver(UniformScalingObserver):
     # -- the statistic ---------------------------------------------------------
 
     def statistic_type(self) -> type[Statistic]:
-        return QuarkHistogram if self._per_tensor else Histogram
+        return BoundedQuarkHistogram if self._per_tensor else Histogram
 
     @property
     def buffer_names(self) -> Mapping[str, str]:  # type: ignore[override]
@@ -142,6 +161,7 @@ class PerTensorHistogramObserver(UniformScalingObserver):
                 "bins": self._num_bins,
                 "absolute": self._absolute,
                 "skip_zeros": self._skip_zeros,
+                "max_bins": self._max_bins_factor * self._default_bins,
             }
         return {
             "bins": self._num_bins,
@@ -378,11 +398,12 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
                 f"need bin edges (at least 2) for every bin: got {edges.numel()} "
                 f"edges for {calib_hist.numel()} bins"
             )
-        centers = (edges[1:] + edges[:-1]) / 2
+        centers = safe_centers(edges)  # Quark's (e[1:] + e[:-1]) / 2, no overflow
         index = mse_candidates(centers.numel(), start_bin, stride).to(edges.device)
         low = edges[:1] * 0 if self._absolute else edges[:1]
+        counted = calib_hist != 0  # empty bins add nothing: not scored
         errors = self._errors(
-            centers[None], calib_hist[None], low, centers[index][None]
+            centers[counted][None], calib_hist[counted][None], low, centers[index][None]
         )
         best = centers[index[int(errors[0].argmin())]]
         return low[0], best
@@ -394,7 +415,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
         hist, counts, lo, width = self._exact()
         bins = counts.shape[1]
         index = torch.arange(bins, dtype=torch.float64, device=lo.device) + 0.5
-        centers = (lo[:, None] + index * width[:, None]).float()  # (Q, bins)
+        centers = lo[:, None] + index * width[:, None]  # (Q, bins) float64
+        # Empty bins past float32's max (a grid ending above it) count 0.
+        centers = centers.clamp(-_F32_MAX, _F32_MAX).float()
         if self._absolute:
             low = torch.zeros_like(hist.min_vals.reshape(-1))
             high = torch.maximum(-hist.min_vals, hist.max_vals).reshape(-1)
@@ -404,7 +427,7 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
         # bins over [low, high], from start_bin on.
         picks = mse_candidates(bins, self.start_bin, self.stride).to(lo.device)
         fraction = (picks.to(torch.float64) + 0.5) / bins
-        spread = (high - low).double()
+        spread = high.double() - low.double()  # float32's overflows
         candidates = (low[:, None].double() + spread[:, None] * fraction).float()
         errors = self._errors(centers, counts, low, candidates)
         best = candidates.gather(1, errors.argmin(dim=1, keepdim=True))
@@ -420,7 +443,19 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
     ) -> torch.Tensor:
         """`(Q, C)` count-weighted squared errors of the candidate ranges
         `[low, candidate]` over the bin centers `(Q, B)` (Quark's objective,
-        fake-quantized by the one scorer)."""
+        fake-quantized by the one scorer).
+
+        A qparam whose values pass `2**60` is scored scaled by a power of two
+        (its errors then scale by its square, exactly, so their order is
+        Quark's): its squared errors, and an asymmetric `max - min`, would
+        overflow float32."""
+        top = torch.stack(
+            [centers.abs().amax(1), low.abs(), candidates.abs().amax(1)]
+        ).amax(0)  # (Q,)
+        exponent = torch.frexp(top)[1].to(top.dtype)
+        shift = torch.where(top > 2.0**60, torch.exp2(-exponent), 1.0)  # (Q,)
+        centers, candidates = centers * shift[:, None], candidates * shift[:, None]
+        low = low * shift
         fmt = element_format(self.dtype)
         high = candidates.T  # (C, Q)
         if self.dtype in _FP8:

@@ -5,6 +5,10 @@ parts of the core do it: torch's histogram statistic
 (`quantobs.stats.torch_histogram`), torch's greedy L2 search
 (`quantobs.solvers.torch_l2`) and torch's qparams rule
 (`quantobs.core.qparams.torch_rule`), bit for bit.
+
+One difference: a batch that widens the range past float32's max (`max -
+min > 3.4e38`, e.g. `[-3e38, 3e38]`) raises `ValueError` and leaves the
+statistic as it was (torch's histogram then gives Quark NaN or inf scales).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from quantobs.stats.base import Statistic
 from quantobs.stats.torch_histogram import TorchHistogram
 
 __all__ = ["PerTensorHistogramObserverPro"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class PerTensorHistogramObserverPro(UniformScalingObserver):
@@ -112,11 +118,30 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         return TorchHistogram.empty((), self.eps.device, bins=self.bins)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        """Add `x_orig` to torch's histogram; return it unchanged."""
+        """Add `x_orig` to torch's histogram; return it unchanged.
+
+        Raises:
+            ValueError: NaN / inf values, or a range wider than float32's max.
+        """
         if x_orig.numel():
             x = x_orig.detach()
+            self._check_spread(x)
             self._observe_view(x.reshape(1, -1), x)
         return x_orig
+
+    def _check_spread(self, x: torch.Tensor) -> None:
+        """Raise `ValueError` before a batch widens the range past float32's
+        max: torch's histogram bins `max - min` in float32 (torch and Quark:
+        NaN or inf scales)."""
+        low, high = (float(v) for v in torch.aminmax(x.reshape(-1)))
+        low, high = min(low, float(self.min_val)), max(high, float(self.max_val))
+        if math.isfinite(high - low) and high - low > _F32_MAX:
+            raise ValueError(
+                f"{type(self).__name__}: the range [{low:.4g}, {high:.4g}] is too "
+                f"wide for torch's float32 histogram (max - min > {_F32_MAX:.4g}); "
+                "scale the input down, or use PerTensorMinMaxObserver or "
+                "PerTensorPercentileObserver, which take such ranges"
+            )
 
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's greedy L2 search and qparams, each `(1,)`."""

@@ -18,6 +18,7 @@ mantissa width, "floor" / "ceil" as named.
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from quantobs.faces.quark.spec import (
     QSchemeType,
     QTensorConfig,
 )
-from quantobs.stats.base import Statistic
+from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.bfp import BfpAbsMax
 from quantobs.stats.minmax import AbsMax
 
@@ -166,6 +167,28 @@ class PerBlockMXObserver(_BlockObserver):
         return self._rule(self.eps, blocks=True).block_qparams(self._model_amax())
 
 
+@dataclass(frozen=True)
+class _SaturatingBfpAbsMax(BfpAbsMax):
+    """`BfpAbsMax` whose overflow doubling stops at the model dtype's max.
+
+    A block whose largest value rounds to 128 at the top exponent (`>= 127.5
+    * 2**121`, about 3.39e38, in float32 / bfloat16; `>= 65280` in float16)
+    would double to infinity (Quark: an infinite scale; `BfpAbsMax` alone:
+    the scale `2**-7`, every value clipped). Here it keeps the top
+    exponent's scale, `2**121` (`2**9` in float16), the largest that makes
+    sense: the doubled scale would dequantize the block's largest value
+    (mantissa 64) to `2**128` (float16: 65536), past the dtype's max. The
+    largest values saturate at `127 * scale`, less than 1/128 below them.
+    """
+
+    def update(self, batch: Batch) -> _SaturatingBfpAbsMax:
+        doubled = super().update(batch)
+        found = torch.maximum(-batch.min_vals, batch.max_vals)
+        kept = torch.maximum(self.amax, found.to(self.amax.dtype))
+        limit = torch.finfo(self.model_dtype).max
+        return self.replace(amax=torch.where(doubled.amax > limit, kept, doubled.amax))
+
+
 class PerBlockBFPObserver(_BlockObserver):
     """BFP16: blocks of 8 share an exponent, int8 mantissas (overflow doubling).
 
@@ -177,7 +200,7 @@ class PerBlockBFPObserver(_BlockObserver):
     NaN and inf inputs count as 0 (Quark's rule for this observer).
     """
 
-    statistic_cls = BfpAbsMax
+    statistic_cls = _SaturatingBfpAbsMax
 
     @classmethod
     def check_spec(cls, spec: QTensorConfig) -> None:
@@ -202,7 +225,8 @@ class PerBlockBFPObserver(_BlockObserver):
         return {"eps": self.eps, "model_dtype": self._model_dtype(torch.float32)}
 
     def _initial_statistic(self) -> Statistic:
-        return BfpAbsMax(torch.tensor(0.0, device=self.amax.device), self.eps)
+        zero = torch.tensor(0.0, device=self.amax.device)
+        return _SaturatingBfpAbsMax(zero, self.eps)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale per block of 8 (input dtype) and int32 zero points.

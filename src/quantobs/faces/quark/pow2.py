@@ -13,11 +13,16 @@ Differences from Quark: the arithmetic is float32 whatever the input dtype
 (Quark computes in it: a bfloat16 input gives symmetric int8 the zero point
 -1, and float16 per-channel inputs raise); the power of two is decided
 exactly (Quark rounds a float32 `log2`); an all-zero channel gets the scale
-of an empty range (Quark divides 0 by 0).
+of an empty range (Quark divides 0 by 0); a range of a few subnormals, or
+one wider than float32's max, gets a finite power of two in `2**-126 ..
+2**127` and an in-range zero point (Quark: scale 0 and zero point -2**31;
+for the wide range the scale 2**127 with the zero point qmin, which leaves
+no negative value representable).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,6 +45,8 @@ __all__ = [
 
 _POW2_DTYPES = (Dtype.int8, Dtype.uint8, Dtype.int32)
 _SHIFTS = (2, 1, 0, -1, -2)  # scale * 2**k, Quark's order
+_POW2_MIN, _POW2_MAX = 2.0**-126, 2.0**127  # float32's normal powers of two
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_pow2_dtype(cls: type, spec: QTensorConfig) -> None:
@@ -62,14 +69,40 @@ class _Pow2Mixin:
     def _pow2_candidate(
         self, min_val: torch.Tensor, max_val: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One power-of-two `(scale, zero_point)` of a range."""
+        """One power-of-two `(scale, zero_point)` of a range.
+
+        Quark's arithmetic underflows for ranges of a few subnormals (scale
+        0, zero point -2**31) and overflows for spreads past float32's max
+        (an infinite spread): such entries are computed on the range scaled
+        by `2**64` (or `2**-64`), which scales the power of two exactly and
+        leaves the zero point as it is, then scaled back and clamped to
+        float32's normal powers of two, `2**-126 .. 2**127`.
+        """
         rule = QuarkPow2Rule(
             self.quant_min,
             self.quant_max,
             bool(self.symmetric),
             middle_zero_point=bool(self.symmetric) and self.dtype == Dtype.uint8,
         )
-        return rule(min_val, max_val)
+        if bool((min_val < -_F32_MAX).any() or (max_val > _F32_MAX).any()):
+            raise ValueError(
+                f"{self.owner} computes in float32 (Quark's scales), and the "
+                f"range [{float(min_val.min()):.4g}, {float(max_val.max()):.4g}] "
+                "passes float32's max; scale the input down or use "
+                "PerTensorMinMaxObserver / PerChannelMinMaxObserver"
+            )
+        min_val, max_val = min_val.float(), max_val.float()
+        scale, zero_point = rule(min_val, max_val)
+        low, high = min_val.double().clamp(max=0), max_val.double().clamp(min=0)
+        if self.symmetric:
+            low, high = -torch.maximum(-low, high), torch.maximum(-low, high)
+        tiny, huge = scale < _POW2_MIN, high - low > _F32_MAX
+        if not bool((tiny | huge).any()):
+            return scale, zero_point
+        lift = torch.where(tiny, 2.0**64, torch.where(huge, 2.0**-64, 1.0))
+        lifted, zero_point = rule(min_val * lift, max_val * lift)
+        scale = (lifted / lift).clamp(_POW2_MIN, _POW2_MAX)
+        return scale, zero_point
 
     def _one_batch(
         self, min_val: torch.Tensor, max_val: torch.Tensor
@@ -258,8 +291,15 @@ def _best_shift(
         owner: the observer (its dtype's format).
     """
     shifts = torch.tensor([2.0**k for k in _SHIFTS], device=scale.device)
-    scales = scale.float()[None, :] * shifts[:, None]  # (5, C)
+    data = data.float()
+    top = float(data.abs().max()) if data.numel() else 0.0
+    # Past 2**60 squared errors overflow float32: data and scales are scored
+    # times 2**-e (exact; every error scales by its square, the order is
+    # kept), scales kept above 0 (a subnormal channel's data then is 0).
+    factor = 2.0 ** -math.frexp(top)[1] if top > 2.0**60 else 1.0
+    data = data * factor
+    scales = (scale.float()[None, :] * shifts[:, None] * factor).clamp(min=2.0**-149)
     zero_points = zero_point.float()[None, :].expand_as(scales)
     fmt = element_format(owner.dtype)
-    errors = score(data.float(), scales, zero_points, fmt, 2.0).sum(dim=1)  # (5,)
+    errors = score(data, scales, zero_points, fmt, 2.0).sum(dim=1)  # (5,)
     return _SHIFTS[int(errors.argmin())]  # the first least error
