@@ -24,8 +24,10 @@ NATIVE_BUILD := $(BIN)/python src/quantobs/native/build.py
 STAMP_CLI := $(VENV)/.stamp-cli
 STAMP_DEV := $(VENV)/.stamp-dev
 
-# Arguments for the main job, e.g. `make run RUN_ARGS="--scheme NVFP4"`.
-RUN_ARGS ?=
+# Arguments for the main job, e.g. `make run RUN_ARGS="--quick --format json"`;
+# the report (HTML + PNG plots) goes to REPORT_DIR, replaced on each run.
+REPORT_DIR ?= compare-report
+RUN_ARGS ?= --report $(REPORT_DIR) --overwrite
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k cli -x"`.
 PYTEST_ARGS ?=
 
@@ -33,7 +35,7 @@ PYTEST_ARGS ?=
 .PHONY: help run test setup setup-dev native lint format typecheck pytest bench clean
 
 help:
-	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs weights' on the default model"
+	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs compare' on the default model"
 	@echo "make test       set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
 	@echo "make format     apply ruff format and the safe ruff fixes"
 	@echo "make bench      run benchmarks/bench_qparams.py"
@@ -60,7 +62,7 @@ setup-dev: $(STAMP_DEV)
 # Without a C compiler the job still runs (torch kernels, with a warning).
 run: $(STAMP_CLI)
 	-$(NATIVE_BUILD) --if-stale
-	$(BIN)/quantobs weights $(RUN_ARGS)
+	$(BIN)/quantobs compare $(RUN_ARGS)
 
 native: | $(BIN)/python
 	$(NATIVE_BUILD)

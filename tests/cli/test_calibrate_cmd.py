@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -133,6 +134,10 @@ def test_the_report_and_path_are_printed(
     )
     assert code == EXIT_OK, err
     assert "calibrated 30 modules on 1 batches" in stdout
+    # the held-out metrics of the result (W8A8 on MiniLM: close to the original)
+    metrics = re.search(r"held-out: cos mean (\d\.\d{4}), worst (\d\.\d{4})", stdout)
+    assert metrics is not None, stdout
+    assert 0.99 < float(metrics[2]) <= float(metrics[1]) <= 1
     assert stdout.rstrip().splitlines()[-1] == f"checkpoint  {out.absolute()}"
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "pooler.dense" in quant["ignore"]
