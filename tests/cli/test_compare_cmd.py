@@ -230,3 +230,47 @@ def test_unwritable_or_taken_report_directory(
         assert message in _one_error_line(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "taken"]
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+
+
+def test_ignore_skips_the_layers_a_scheme_cannot_take(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    # only output.dense (128 input features) can take groups of 128
+    narrow = ["--model", str(files["narrow"]), "--data", str(files["data"])]
+    ignore = ["re:.*attention.*", "re:.*intermediate.*", "re:.*pooler.*"]
+    matrix = ["--schemes", "W4A16", "--observers", "minmax"]
+    output = ["--heldout", str(files["heldout"]), "--format", "json", "--no-progress"]
+    code = main(["compare", *narrow, *matrix, "--ignore", *ignore, *output])
+    captured = capsys.readouterr()
+    assert code == EXIT_OK, captured.err
+    (cell,) = json.loads(captured.out)["cells"]
+    assert sorted(cell["weight_sqnr"]) == [
+        "encoder.layer.0.output.dense",
+        "encoder.layer.1.output.dense",
+    ]
+
+
+def test_quick_and_explicit_matrices() -> None:
+    from quantobs.cli import build_parser
+    from quantobs.cli.compare_cmd import _matrix
+    from quantobs.report.compare import (
+        DEFAULT_OBSERVERS,
+        DEFAULT_SCHEMES,
+        QUICK_OBSERVERS,
+        QUICK_SCHEMES,
+    )
+
+    def matrix(*argv: str) -> tuple[list[str], list[str]]:
+        return _matrix(build_parser().parse_args(["compare", *argv]))
+
+    assert matrix() == (list(DEFAULT_SCHEMES), list(DEFAULT_OBSERVERS))
+    assert matrix("--quick") == (list(QUICK_SCHEMES), list(QUICK_OBSERVERS))
+    # explicit lists win over --quick; names are normalized and deduplicated
+    assert matrix("--quick", "--schemes", "nvfp4", "NVFP4", "--observers", "MSE") == (
+        ["NVFP4"],
+        ["mse"],
+    )
+    assert matrix("--observers", "Histogram-MSE") == (
+        list(DEFAULT_SCHEMES),
+        ["histogram_mse"],
+    )
