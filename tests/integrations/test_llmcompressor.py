@@ -684,8 +684,8 @@ def test_memoryless_mse_on_every_layer_equals_llmcompressor() -> None:
     """W4A16 on all of MiniLM's linear weights (82,944 groups): every scale
     equals llm-compressor's `memoryless_mse`. The plug-in scores MSE
     candidates with torch's float32 arithmetic, as llm-compressor does (the
-    native kernel would flip a near-tie in one group of layer 2's
-    `output.dense`)."""
+    native search settles the near tie of one group of layer 2's
+    `output.dense` with torch too: tests/solvers/test_mse_ties.py)."""
     weights = {**W4, "strategy": "group"}
     theirs, ours = (
         _qparams(

@@ -189,9 +189,11 @@ class QuantobsObserver(LCObserver):
     def _arithmetic(self) -> Iterator[None]:
         """llm-compressor's float32 arithmetic for the MSE searches: torch's
         kernels, whose errors are theirs to the last bit. (The native MSE
-        kernel's own `|err| ** 2.4` and float64 sums can flip a near-tie:
-        1 of MiniLM's 82,944 W4A16 groups.) Other observers are exact
-        either way and keep the native kernels."""
+        kernel's own `|err| ** 2.4` and float64 sums differ by about 1e-6;
+        the native search re-scores near ties with torch and decides as
+        llm-compressor does, `quantobs.solvers.mse_ties`, but torch keeps
+        every error theirs.) Other observers are exact either way and keep
+        the native kernels."""
         if not isinstance(self.core, _MSE_SEARCHES):
             yield
             return
@@ -211,8 +213,9 @@ class QuantobsObserver(LCObserver):
         if observed.numel() == 0:
             return
         with self._arithmetic():
-            self.core._observe(observed)
-        self.core.num_observations += observed.shape[0]
+            kept = self.core._observe(observed)
+        if kept is not None:  # None: no finite value (nan_policy="omit")
+            self.core.num_observations += observed.shape[0]
 
     # llm-compressor decorates `forward` and `get_qparams` with a bare
     # `@torch.no_grad`, which mypy types as a `no_grad` object rather than a

@@ -8,6 +8,16 @@ name               statistic                                       merge
 ``static_mse``     error of every candidate summed over batches    exact
 =================  ==============================================  ===========
 
+`memoryless_mse` and `mse` search llm-compressor's 20-point shrink grid by
+default (its ranges bit for bit on float32 inputs) and, as opt-in options,
+further: `search="fine"` (a 10x denser grid) or `"refine"` (the grid, then
+local refinement around each qparam's best factor; `solvers.mse_refine`),
+`independent_bounds=True` (asymmetric args: the min and max factors searched
+apart), and `scale_search="discrete"` (NVFP4 and MX: every e4m3 group scale
+or e8m0 exponent the checkpoint can store near the grid's, scored as stored;
+`solvers.mse_discrete`). Each scores at least as well as the default grid in
+the error it minimizes, on the same batch.
+
 `static_mse` goes beyond llm-compressor: it keeps, per qparam and per
 candidate range, the error summed over every batch, so its range minimizes the
 error over all the calibration data. Candidates are shrink factors of a
@@ -23,11 +33,22 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.solvers.mse import mse_search
+from quantobs.solvers.mse_discrete import (
+    ScaleSearch,
+    check_discrete_args,
+    discrete_scale_search,
+)
+from quantobs.solvers.mse_refine import (
+    Search,
+    check_independent_bounds,
+    refined_mse_search,
+)
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.candidate_errors import CandidateErrors
 from quantobs.stats.minmax import LatestRange, MovingAverage
@@ -40,6 +61,7 @@ __all__ = [
     "MovingAverageMSEOptions",
     "StaticMSEObserver",
     "StaticMSEOptions",
+    "check_search_options",
 ]
 
 
@@ -68,10 +90,44 @@ class MSEOptions(_SearchOptions):
         round_scales: NVFP4 only: score candidates with the FP8-rounded group
             scales and the global scale they will be stored with
             (llm-compressor scores unrounded scales and no global scale).
+        search: the candidates of the shared shrink factor: `"grid"`
+            (llm-compressor's, the default), `"fine"` (every factor of the
+            grid's interval at a tenth of its step, about 10x the cost) or
+            `"refine"` (the grid, then 3 rounds of local refinement around
+            each qparam's best factor down to steps of 1/6400; 1-3x).
+            Both start from the grid's range and keep it unless a candidate
+            scores strictly better.
+        independent_bounds: asymmetric args only: after `search`, search
+            the min and max factors apart (2 rounds of min-then-max, each
+            over `search`'s factors); a side with no data beyond 0 keeps
+            its factor.
+        scale_search: `"continuous"` (shrink factors, the default) or
+            `"discrete"` (NVFP4 / MX only: the stored scales themselves,
+            e4m3 group scales under the observed range's global scale, or
+            e8m0 powers of two, from one below the grid's smallest to one
+            above its largest, scored as the checkpoint applies them; the
+            resulting qparams are exactly the chosen stored scales, unless a
+            module's own global scale overrides the observer's). Excludes
+            `search` and `independent_bounds`.
     """
 
     patience: int | None = Field(5, ge=0)
     triton_error_buffer: float | None = Field(None, ge=0.0)
+    search: Search = "grid"
+    independent_bounds: bool = False
+    scale_search: ScaleSearch = "continuous"
+
+    @model_validator(mode="after")
+    def _one_kind_of_search(self) -> MSEOptions:
+        if self.scale_search == "discrete" and (
+            self.search != "grid" or self.independent_bounds
+        ):
+            raise ValueError(
+                "scale_search='discrete' scores every stored scale near the "
+                "grid's; it takes no search= or independent_bounds= (drop them, "
+                "or use scale_search='continuous')"
+            )
+        return self
 
 
 class MovingAverageMSEOptions(MSEOptions):
@@ -84,32 +140,65 @@ class StaticMSEOptions(_SearchOptions):
     """Search options of `static_mse` (every candidate is scored: no patience)."""
 
 
+def check_search_options(options: MSEOptions, args: QuantizationArgs) -> None:
+    """Raise `ValueError` where a search option does not apply to the args."""
+    if options.independent_bounds:
+        check_independent_bounds(args)
+    if options.scale_search == "discrete":
+        check_discrete_args(args)
+
+
 class _SearchingObserver(Observer):
     """A per-batch MSE search feeds the statistic its range."""
 
     options: MSEOptions
     needs_values = True
 
+    def __init__(
+        self,
+        base_name: str,
+        args: QuantizationArgs,
+        module: torch.nn.Module | None = None,
+        **observer_kwargs: Any,
+    ) -> None:
+        super().__init__(base_name, args, module, **observer_kwargs)
+        check_search_options(self.options, self.args)
+
+    def _search(self, x_flat: torch.Tensor, observed: Range) -> Range:
+        """The batch's range under the options' search."""
+        opts = self.options
+        common: dict[str, Any] = {
+            "maxshrink": opts.maxshrink,
+            "norm": opts.norm,
+            "expand": opts.expand,
+            "chunk_elems": opts.chunk_elems,
+            "batch_range": observed,
+        }
+        if opts.scale_search == "discrete":
+            return discrete_scale_search(x_flat, self.args, **common)
+        common.update(
+            grid=opts.grid, patience=opts.patience, round_scales=opts.round_scales
+        )
+        if opts.search != "grid" or opts.independent_bounds:
+            return refined_mse_search(
+                x_flat,
+                self.args,
+                search=opts.search,
+                independent_bounds=opts.independent_bounds,
+                **common,
+            )
+        return mse_search(x_flat, self.args, **common)
+
     def _prepare_batch(self, batch: Batch) -> Batch:
         if batch.x_flat is None:  # pragma: no cover - needs_values
             raise RuntimeError("MSE observers score values; none were given")
         opts = self.options
         observed = range_or_zero(batch.min_vals, batch.max_vals)
-        low, high = mse_search(
-            batch.x_flat,
-            self.args,
-            maxshrink=opts.maxshrink,
-            grid=opts.grid,
-            norm=opts.norm,
-            patience=opts.patience,
-            expand=opts.expand,
-            chunk_elems=opts.chunk_elems,
-            batch_range=observed,
-            round_scales=opts.round_scales,
-        )
+        low, high = self._search(batch.x_flat, observed)
         absmax = None
-        if opts.round_scales and self._tracks_global():
-            # The search assumed the global scale of the observed range.
+        fixed_global = opts.round_scales or opts.scale_search == "discrete"
+        if fixed_global and self._tracks_global():
+            # The search used the global scale of the observed range.
             found = absmax_or_zero(observed[0] * opts.expand, observed[1] * opts.expand)
             absmax = float(found)
         return replace(batch, min_vals=low, max_vals=high, absmax=absmax)

@@ -11,6 +11,12 @@ memory is bounded whatever the input size and no Python loop runs over groups.
 Candidates are scored by `quantobs.core.scoring`. `patience` reproduces
 llm-compressor's early stop: the search ends after
 `patience` consecutive candidates that improve no qparam (`None`: never).
+Where the native kernel scores, `quantobs.solvers.mse_ties` makes its
+comparisons of near-tied candidates torch's, so the ranges are
+llm-compressor's bit for bit on float32 inputs.
+
+`quantobs.solvers.mse_refine` and `quantobs.solvers.mse_discrete` search
+further (opt-in options of the MSE observers).
 """
 
 from __future__ import annotations
@@ -25,30 +31,16 @@ from quantobs.core.scoring import (
     search_args,
     shrink_factors,
 )
+from quantobs.solvers.mse_ties import LlmCompressorErrors, patience_stop
 from quantobs.stats.reduce import minmax
 
-__all__ = ["mse_search"]
-
-
-class _Patience:
-    """llm-compressor's early stop, fed one candidate's errors at a time.
-
-    The loop stops after `patience` consecutive candidates that improve no
-    qparam (strictly lower error); `None` never stops.
-    """
-
-    def __init__(self, patience: int | None) -> None:
-        self.patience = patience
-        self.best: torch.Tensor | None = None
-        self.stale = 0
-
-    def stops_after(self, errors: torch.Tensor) -> bool:
-        if self.patience is None:
-            return False
-        improved = self.best is None or bool((errors < self.best).any())
-        self.best = errors if self.best is None else torch.minimum(self.best, errors)
-        self.stale = 0 if improved else self.stale + 1
-        return not improved and self.stale >= self.patience
+__all__ = [
+    "best_shrink",
+    "candidate_errors",
+    "mse_search",
+    "search_args",
+    "shrink_factors",
+]
 
 
 def mse_search(
@@ -85,32 +77,68 @@ def mse_search(
     """
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
     min_vals, max_vals = min_vals * expand, max_vals * expand
-    factors = shrink_factors(maxshrink, grid).to(x_flat.device)
     scoring = search_args(args, round_scales)
     global_scale = None
     if round_scales and args.strategy == "tensor_group":
         global_scale = generate_gparam(min_vals.min(), max_vals.max())
-    # Score candidates in blocks so an early stop skips the rest.
-    block = factors.numel() if patience is None else max(1, patience)
-    rule, scored = _Patience(patience), []
-    for c0 in range(0, factors.numel(), block):
-        errors = candidate_errors(
-            x_flat,
-            scoring,
-            min_vals,
-            max_vals,
-            factors[c0 : c0 + block],
-            norm,
-            chunk_elems,
-            global_scale,
-        )
-        stop = next(
-            (i + 1 for i in range(errors.shape[0]) if rule.stops_after(errors[i])),
-            None,
-        )
-        scored.append(errors if stop is None else errors[:stop])
-        if stop is not None:
-            break
-    all_errors = torch.cat(scored)
-    best = factors[torch.argmin(all_errors, dim=0)]  # first minimum wins
+    n, g = x_flat.shape[0], x_flat.shape[-1]
+    best = best_shrink(
+        x_flat.reshape(n, -1, g),
+        scoring,
+        min_vals.reshape(-1),
+        max_vals.reshape(-1),
+        shrink_factors(maxshrink, grid),
+        norm=norm,
+        patience=patience,
+        chunk_elems=chunk_elems,
+        global_scale=global_scale,
+    ).reshape(min_vals.shape)
     return min_vals * best, max_vals * best
+
+
+def best_shrink(
+    x3: torch.Tensor,
+    args: QuantizationArgs,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    *,
+    norm: float = 2.4,
+    patience: int | None = 5,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """llm-compressor's choice among shrink factors, per qparam.
+
+    Args:
+        x3: `(N, Q, G)` finite values.
+        args: the args candidates are scored with (`search_args`).
+        min_vals: `(Q,)` minima the factors shrink.
+        max_vals: `(Q,)` maxima.
+        factors: `(C,)` float32 factors in the order of the search.
+        norm: exponent of the absolute error.
+        patience: early stop after this many non-improving candidates.
+        chunk_elems: elements per temporary tensor.
+        global_scale: optional `(1,)` NVFP4 global scale of the candidates.
+
+    Returns:
+        `(Q,)` float32: the first factor of least error among those scored.
+    """
+    factors = factors.to(x3.device)
+    table = LlmCompressorErrors(
+        x3, args, min_vals, max_vals, factors, norm, chunk_elems, global_scale
+    )
+    # Score candidates in blocks so an early stop skips the rest; where the
+    # kernel's errors say the search ends, settle its near ties and decide.
+    block = factors.numel() if patience is None else max(1, patience)
+    for c0 in range(0, factors.numel(), block):
+        errors = table.extend(block)  # (C so far, Q)
+        last = c0 + block >= factors.numel()
+        if patience_stop(errors, patience) is None and not last:
+            continue
+        errors = table.settle()
+        stop = patience_stop(errors, patience)
+        if stop is not None:
+            errors = errors[:stop]
+            break
+    return factors[torch.argmin(errors, dim=0)]  # first minimum wins
