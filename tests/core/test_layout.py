@@ -41,6 +41,7 @@ CASES: list[tuple[str, tuple[int, ...], dict[str, Any], tuple[int, ...]]] = [
         (1, 2, 2, 16 * 48),
     ),
     ("input", (B, S, H), {}, (B * S, 1, H)),
+    ("output", (H,), {}, (1, 1, H)),  # a 1-D activation: one token
     ("output", (B, S, H), {"group_size": 32}, (B * S, H // 32, 32)),
     (
         "input",
@@ -180,7 +181,10 @@ def test_g_idx_makes_groups_contiguous() -> None:
             ValueError,
             r"'weight' must be 2-D",
         ),
-        ("input", (H,), {}, ValueError, r"must be at least 2-D"),
+        # a 1-D activation is one token for `tensor` (llm-compressor's
+        # reshape(-1, 1, hidden)); groups and tokens need (..., hidden) rows
+        ("input", (H,), {"group_size": 16}, ValueError, r"must be at least 2-D"),
+        ("input", (), {}, ValueError, r"must be at least 1-D"),
         ("v", (B, S, H), {"strategy": "attn_head"}, ValueError, r"must be 4-D"),
     ],
     ids=lambda v: v if isinstance(v, str) and not v.startswith(("r", "'")) else None,

@@ -317,3 +317,99 @@ def test_float_rounds_to_nearest_grid_value(data: list[float], name: str) -> Non
     target = (x / step).clamp(float(grid.min()), float(grid.max()))
     best = (grid[None, None, :] - target[..., None]).abs().amin(-1)
     assert ((codes - target).abs() <= best * (1 + 1e-6) + 1e-30).all()
+
+
+# ------------------------------------------------------ saturation (issue 15)
+
+F32_MAX = torch.finfo(torch.float32).max
+_MX = {"type": "float", "group_size": 32, "scale_dtype": torch.uint8}
+
+
+def _range_qparams(
+    x: torch.Tensor, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    scale, zero_point, _ = _qparams(x, "weight", args)
+    return scale, None if args.symmetric else zero_point
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "values", "dtype"),
+    [
+        # compressed-tensors: -inf (the level of -max lands a rounding past it)
+        (
+            {"num_bits": 8, "symmetric": False, "group_size": 4},
+            [-F32_MAX, 1.0, 2.0, 3.0],
+            torch.float32,
+        ),
+        # compressed-tensors: -inf (-128 * amax / 127.5 passes float32's max)
+        ({"num_bits": 8}, [-F32_MAX, 1.0, F32_MAX, 2.0], torch.float32),
+        # compressed-tensors: an inf scale, NaN outputs; ours: 6 * 2**126 -> max
+        ({"num_bits": 4, **_MX}, [F32_MAX * 0.9] + [1.0] * 31, torch.float32),
+        # 256 * 256 = 65536 in float16: inf (compressed-tensors with fp16 scales)
+        ({"num_bits": 8, **_MX}, [65504.0] + [1.0] * 31, torch.float16),
+        # -128 * scale in float32, cast back to float16: -65760 -> inf
+        ({"num_bits": 8}, [-65504.0, 1.0, 65504.0, 2.0], torch.float16),
+        ({"num_bits": 8}, [-3.38e38, 1.0, 3.38e38, 2.0], torch.bfloat16),
+    ],
+    ids=["int8-asym-group", "int8-sym", "mxfp4", "mxfp8-fp16", "int8-fp16", "bf16"],
+)
+def test_fake_quantize_saturates_to_the_dtype(
+    kwargs: dict[str, Any], values: list[float], dtype: torch.dtype
+) -> None:
+    args = QuantizationArgs(**kwargs)
+    x = torch.tensor([values], dtype=dtype)
+    scale, zero_point = _range_qparams(x.float(), args)
+    assert torch.isfinite(scale).all()
+    out = fake_quantize(x, scale, zero_point, args)
+    top = torch.finfo(dtype).max
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert out.abs().max() <= top
+    # the saturated value is the dtype's max, of the sign of x
+    saturated = out.abs() == top
+    assert torch.equal(out[saturated].sign(), x[saturated].sign())
+    codes = quantize(x.float(), scale, zero_point, args)
+    back = dequantize(codes, scale, zero_point, args)
+    assert torch.isfinite(back).all()
+
+
+def test_saturation_keeps_nan_and_ordinary_bits() -> None:
+    args = QuantizationArgs(num_bits=8)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    scale, zero_point = _range_qparams(x, args)
+    ct_args = CTArgs(num_bits=8)
+    ours = fake_quantize(x, scale, zero_point, args)
+    assert torch.equal(
+        ours, ct_fake_quantize(x, scale, torch.zeros_like(scale), ct_args)
+    )
+    x[0, 0] = float("nan")
+    assert torch.isnan(fake_quantize(x, scale, zero_point, args)[0, 0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    exponent=st.integers(-149, 127),
+    signs=st.lists(st.sampled_from([-1.0, 1.0]), min_size=32, max_size=32),
+    fractions=st.lists(st.floats(0.5, 1.0), min_size=32, max_size=32),
+    name=st.sampled_from(["W8A16", "W4A16_ASYM", "FP8", "NVFP4", "MXFP4", "MXFP8"]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_fake_quantize_of_finite_values_is_finite(
+    exponent: int,
+    signs: list[float],
+    fractions: list[float],
+    name: str,
+    dtype: torch.dtype,
+) -> None:
+    # values of one binade up to the dtype's max (the top binade included)
+    info = torch.finfo(dtype)
+    magnitude = torch.tensor(fractions, dtype=torch.float64) * 2.0**exponent
+    x = (torch.tensor(signs, dtype=torch.float64) * magnitude).clamp(
+        -info.max, info.max
+    )
+    x = x.to(dtype).reshape(1, 32).repeat(1, 4)  # (1, 128): W8A16's group
+    args = preset_scheme(name).weights
+    assert args is not None
+    scale, zero_point, gs = _qparams(x.float(), "weight", args)
+    zp = None if args.symmetric else zero_point
+    out = fake_quantize(x, scale, zp, args, global_scale=gs)
+    assert out.dtype == dtype and torch.isfinite(out).all()

@@ -84,3 +84,61 @@ def test_core_math_runs_on_every_device(preset: str, device: torch.device) -> No
         results.append((scale, zero_point, fq))
     for ours, reference in zip(results[1], results[0], strict=True):
         assert torch.equal(ours.cpu(), reference)
+
+
+# ------------------------------------- torch.ao's rule past float32 (issue 16)
+
+F32_MAX = torch.finfo(torch.float32).max
+EPS = torch.finfo(torch.float32).eps
+
+
+def test_torch_rule_affine_range_wider_than_float32() -> None:
+    # torch.ao: max - min overflows, scale inf (MinMaxObserver's qparams of
+    # [-max, max] are (inf, 0)); ours: the float64 half-range form
+    scale, zero_point = torch_qparams(
+        torch.tensor(-F32_MAX), torch.tensor(F32_MAX), dtype=torch.quint8,
+        qscheme=torch.per_tensor_affine, quant_min=0, quant_max=255, eps=EPS,
+    )  # fmt: skip
+    expected = 2 * F32_MAX / 255  # (max - min) / (qmax - qmin), exactly
+    assert torch.isfinite(scale).all() and float(scale) == pytest.approx(expected)
+    assert int(zero_point) == 128 and zero_point.dtype == torch.int32
+
+
+def test_torch_rule_float_qparams_range_wider_than_float32() -> None:
+    # torch.ao: per_channel_affine_float_qparams scale inf, zero point 0
+    scale, zero_point = torch_qparams(
+        torch.tensor([-F32_MAX, 1.0]), torch.tensor([F32_MAX, 2.0]),
+        dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams,
+        quant_min=0, quant_max=255, eps=EPS,
+    )  # fmt: skip
+    assert torch.isfinite(scale).all() and torch.isfinite(zero_point).all()
+    assert float(zero_point[0]) == pytest.approx(127.5)
+    assert float(scale[1]) == pytest.approx(1 / 255)
+
+
+def test_torch_rule_qint32_zero_point_does_not_wrap() -> None:
+    # torch.ao: round(min / scale) = -2**32 wraps in the int32 cast, zero
+    # point 0 (so -3e38 is clipped to about -1.5e38); ours: clamped in float64
+    qmin, qmax = -(2**31), 2**31 - 1
+    scale, zero_point = torch_qparams(
+        torch.tensor(-3e38), torch.tensor(1.0), dtype=torch.qint32,
+        qscheme=torch.per_tensor_affine, quant_min=qmin, quant_max=qmax, eps=EPS,
+    )  # fmt: skip
+    assert zero_point.dtype == torch.int32 and int(zero_point) == qmax
+    lowest = (qmin - int(zero_point)) * float(scale)
+    assert lowest <= -3e38 * (1 - 1e-6)
+
+
+def test_torch_rule_ordinary_ranges_keep_torch_bits() -> None:
+    observer = torch.ao.quantization.MinMaxObserver(
+        dtype=torch.qint32, qscheme=torch.per_tensor_affine
+    )
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e3
+    observer(x)
+    low, high = torch.aminmax(x)
+    ours = torch_qparams(
+        low, high, dtype=torch.qint32, qscheme=torch.per_tensor_affine,
+        quant_min=-(2**31), quant_max=2**31 - 1, eps=EPS,
+    )  # fmt: skip
+    for mine, theirs in zip(ours, observer.calculate_qparams(), strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)

@@ -94,6 +94,16 @@ def test_every_strategy_and_base_name(
     assert bool((min_vals.abs() <= reach).all() and (max_vals.abs() <= reach).all())
 
 
+# The per-tensor searches, pinned: the "auto" defaults of several qparams
+# differ (batched L2, coarse-to-fine entropy, uniform-bin MSE, start_bin).
+PER_TENSOR_SEARCH: dict[str, dict[str, Any]] = {
+    "histogram": {"search": "certified"},
+    "percentile": {},
+    "entropy": {"search": "exhaustive", "start_bin": 128},
+    "histogram_mse": {"objective": "bin_centers"},
+}
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(
     "kwargs",
@@ -103,18 +113,21 @@ def test_every_strategy_and_base_name(
 def test_per_channel_equals_per_tensor_channel_by_channel(
     name: str, kwargs: dict[str, Any]
 ) -> None:
+    # With the same bins and searches, one histogram per channel is the
+    # per-tensor observer of that channel.
     weight = (
         torch.randn(6, 256, generator=_gen(4))
         * torch.tensor([0.1, 1.0, 10.0, 1.0, 3.0, 0.5])[:, None]
     )
     weight[3, 7] = 40.0  # an outlier in one channel
+    pinned = PER_TENSOR_SEARCH[name]
     channel = _named(
-        name, args=QuantizationArgs(strategy="channel", **kwargs), bins=128
+        name, args=QuantizationArgs(strategy="channel", **kwargs), bins=128, **pinned
     )
     channel.update(weight)
     got = channel.get_range()
     for row in range(weight.shape[0]):
-        tensor = _named(name, args=QuantizationArgs(**kwargs), bins=128)
+        tensor = _named(name, args=QuantizationArgs(**kwargs), bins=128, **pinned)
         tensor.update(weight[row : row + 1])
         expected = tensor.get_range()
         assert torch.equal(got[0][row].reshape(1), expected[0].reshape(1)), row
@@ -182,7 +195,10 @@ def test_errors(name: str) -> None:
     with pytest.raises(RuntimeError, match="has no statistics; call update"):
         observer.get_qparams()
     budget = _named(
-        name, args=QuantizationArgs(num_bits=8, strategy="channel"), max_counts=4096
+        name,
+        args=QuantizationArgs(num_bits=8, strategy="channel"),
+        max_counts=4096,
+        bins=2048,
     )
     with pytest.raises(
         ValueError, match=rf"observer '{name}' for 'weight' would keep 8 qparams x 2048"
@@ -190,6 +206,8 @@ def test_errors(name: str) -> None:
         budget.update(torch.randn(8, 4))
     with pytest.raises(ValueError, match=rf"options for observer '{name}': bins=4"):
         _named(name, bins=4)
+    with pytest.raises(ValueError, match="bins must be 'auto' or an int >= 8"):
+        _named(name, bins="many")
 
 
 @pytest.mark.parametrize(

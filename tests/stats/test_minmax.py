@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from quantobs.stats.base import Batch, weighted_mean
 from quantobs.stats.minmax import MinMax, MovingAverage, lerp, lerp_ranges
 from quantobs.stats.reduce import minmax_omit_nonfinite
 
@@ -48,3 +50,38 @@ def test_moving_average_merge_is_count_weighted() -> None:
     merged = _average(1.0, 1).merge(_average(4.0, 2))
     assert merged.max_vals.item() == 3.0 and int(merged.count) == 3
     assert _average(1.0, 0).merge(_average(4.0, 0)).max_vals.item() == 1.0
+
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def test_step_of_opposite_extremes_does_not_overflow() -> None:
+    # torch.ao's `old + c * (new - old)`: new - old = 2 * max is inf, so the
+    # running range becomes +-inf; here that step is redone in float64
+    old = (torch.tensor([-F32_MAX, 0.0]), torch.tensor([-F32_MAX, 1.0]))
+    new = (torch.tensor([F32_MAX, 1.0]), torch.tensor([F32_MAX, 2.0]))
+    for form in ("step", "blend"):
+        low, high = lerp_ranges(old, new, 0.25, form=form)  # type: ignore[arg-type]
+        assert torch.isfinite(low).all() and torch.isfinite(high).all()
+        assert float(low[0]) == float(high[0])
+        assert float(low[0]) == pytest.approx(-0.5 * F32_MAX, rel=1e-6)
+        # ordinary qparams keep the form's own bits
+        assert float(low[1]) == 0.25 and float(high[1]) == 1.25
+
+
+def test_moving_average_of_extremes_stays_finite() -> None:
+    stat = MovingAverage.empty((1,), torch.device("cpu"), constant=0.5, form="step")
+    for value in (F32_MAX, -F32_MAX, F32_MAX):
+        x = torch.tensor([value])
+        stat = stat.update(Batch(None, x, x, 1))
+    assert torch.isfinite(stat.min_vals).all() and torch.isfinite(stat.max_vals).all()
+
+
+def test_weighted_mean_of_extremes_stays_finite() -> None:
+    # value * count overflows float32; the mean falls back to float64
+    values = [torch.tensor([F32_MAX, 1.0]), torch.tensor([F32_MAX, 3.0])]
+    mean = weighted_mean(values, [torch.tensor(100), torch.tensor(300)])
+    assert mean.dtype == torch.float32
+    assert float(mean[0]) == F32_MAX and float(mean[1]) == 2.5
+    merged = _average(F32_MAX, 1000).merge(_average(F32_MAX, 3000))
+    assert float(merged.max_vals) == F32_MAX

@@ -170,10 +170,12 @@ def block_view(value: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
 def _flatten_activation(
     value: torch.Tensor, base_name: str, args: QuantizationArgs
 ) -> torch.Tensor:
+    if args.strategy == "tensor":  # any activation of at least one dim
+        _check_ndim(value, base_name, "at least 1-D (..., hidden)", value.ndim >= 1)
+        # (batch * seq, 1, hidden); a 1-D (hidden,) activation: (1, 1, hidden)
+        return value.reshape(-1, 1, value.shape[-1])
     _check_ndim(value, base_name, "at least 2-D (..., hidden)", value.ndim >= 2)
     hidden = value.shape[-1]
-    if args.strategy == "tensor":
-        return value.reshape(-1, 1, hidden)  # (batch * seq, 1, hidden)
     if args.strategy == "token":
         # (1, *token_dims, 1, hidden), e.g. (1, batch, seq, 1, hidden)
         return value.unsqueeze(-2).unsqueeze(0)

@@ -13,6 +13,23 @@ against the tensor or, for group and block strategies, its grouped view.
 Unlike compressed-tensors, `fake_quantize` always returns `x.dtype`
 (compressed-tensors returns the scale's dtype for tensor, channel, token and
 attention-head strategies).
+
+Saturation. `fake_quantize` and `dequantize` clamp their results to the
+finite range of the dtype they return, so finite inputs under finite scales
+give finite outputs::
+
+    finite input, finite scale               compressed-tensors  here
+    level * scale past the dtype's max       +-inf               +-max of the
+      (int8 symmetric: -128 * amax / 127.5                       dtype
+      with amax near float32's max; MX
+      levels near the e8m0 top scale)
+    a value near -max whose level lands a    -inf                -max
+      rounding error beyond it (int8
+      asymmetric over [-max, max])
+    a float32 result cast back to fp16 /     +-inf               +-max of fp16
+      bf16 past that dtype's max                                 / bf16
+
+Only values that would otherwise be infinite change; NaN stays NaN.
 """
 
 from __future__ import annotations
@@ -155,6 +172,14 @@ def _from_codes(
     return values * scale
 
 
+def _saturate(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` (a fresh tensor) clamped in place to the finite range of
+    `dtype`, the dtype they are returned in (module docstring); +-inf from a
+    level times the scale, or from the cast, becomes +-max. NaN stays."""
+    info = torch.finfo(dtype)
+    return values.clamp_(info.min, info.max)
+
+
 def fake_quant_values(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -231,14 +256,19 @@ def dequantize(
         dtype: dtype of the result; defaults to the scale's float dtype.
 
     Returns:
-        The dequantized tensor, shaped like `x_q`.
+        The dequantized tensor, shaped like `x_q`, saturated to the finite
+        range of its dtype (module docstring).
     """
     if args is None:
         raise ValueError("dequantize needs args (the strategy is not inferred)")
     x_view, scale, zero_point, restore = _prepare(
         x_q, scale, zero_point, args, g_idx, global_scale
     )
-    values = restore(_from_codes(x_view, scale, zero_point))
+    values = _from_codes(x_view, scale, zero_point)
+    out_dtype = values.dtype if dtype is None else dtype
+    if out_dtype.is_floating_point:
+        values = _saturate(values, out_dtype)
+    values = restore(values)
     return values if dtype is None else values.to(dtype)
 
 
@@ -256,10 +286,11 @@ def fake_quantize(
     Args: as for `quantize`.
 
     Returns:
-        `dequantize(quantize(x))`, in `x.dtype`, shaped like `x`.
+        `dequantize(quantize(x))`, in `x.dtype`, shaped like `x`, saturated
+        to the finite range of `x.dtype` (module docstring).
     """
     x_view, scale, zero_point, restore = _prepare(
         x, scale, zero_point, args, g_idx, global_scale
     )
     values = fake_quant_values(x_view, scale, zero_point, args.format)
-    return restore(values).to(x.dtype)
+    return restore(_saturate(values, x.dtype)).to(x.dtype)

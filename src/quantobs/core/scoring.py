@@ -22,7 +22,7 @@ import torch
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.formats import NumberFormat
-from quantobs.core.qparams import calculate_qparams
+from quantobs.core.qparams import all_finite, calculate_qparams
 from quantobs.core.quantize import fake_quant_values
 from quantobs.native.dispatch import kernel
 
@@ -69,8 +69,20 @@ def candidate_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Effective scales (divided by any global scale, as fake_quantize applies
     them) and zero points (None when symmetric) of candidate ranges, any
-    shape (`(C, Q)` typically)."""
-    scale, zero_point = calculate_qparams(min_vals, max_vals, args, global_scale)
+    shape (`(C, Q)` typically).
+
+    Candidate ends past the dtype's finite range (a range scaled by an
+    `expand` beyond float32's max: llm-compressor's become inf and its
+    scales inf or NaN) saturate to `+-max`; NaN ends still raise.
+    """
+    try:
+        scale, zero_point = calculate_qparams(min_vals, max_vals, args, global_scale)
+    except ValueError:  # checked only here: no extra pass on ordinary ranges
+        if all_finite(min_vals, max_vals):
+            raise
+        top = torch.finfo(min_vals.dtype).max
+        min_vals, max_vals = min_vals.clamp(-top, top), max_vals.clamp(-top, top)
+        scale, zero_point = calculate_qparams(min_vals, max_vals, args, global_scale)
     if global_scale is not None:
         scale = scale / global_scale
     return scale, None if args.symmetric else zero_point

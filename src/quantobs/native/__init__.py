@@ -27,7 +27,15 @@ from quantobs.native.ops_minmax import (
     symmetric_scales,
 )
 from quantobs.native.ops_mse import mse_errors, mse_supported, pow24
-from quantobs.native.ops_search import entropy, l2_errors, l2_survivors, torch_l2_terms
+from quantobs.native.ops_search import (
+    entropy,
+    entropy_search_rows,
+    l2_candidates,
+    l2_errors,
+    l2_survivors,
+    l2_symmetric,
+    torch_l2_terms,
+)
 from quantobs.native.runtime import available, backend_info, set_enabled
 
 __all__ = [
@@ -36,10 +44,13 @@ __all__ = [
     "available",
     "backend_info",
     "entropy",
+    "entropy_search_rows",
     "histc",
     "histogram_pass",
+    "l2_candidates",
     "l2_errors",
     "l2_survivors",
+    "l2_symmetric",
     "minmax",
     "minmax_absmax",
     "mse_errors",

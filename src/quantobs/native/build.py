@@ -60,7 +60,14 @@ __all__ = [
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # One library from every kernel family (see qo_kernels.h for what is where).
-SOURCES = ("qo_histogram.c", "qo_info.c", "qo_minmax.c", "qo_mse.c", "qo_search.c")
+SOURCES = (
+    "qo_entropy.c",
+    "qo_histogram.c",
+    "qo_info.c",
+    "qo_minmax.c",
+    "qo_mse.c",
+    "qo_search.c",
+)
 HEADERS = ("qo_kernels.h",)
 LIBRARY = "_qo_kernels"  # the module name of setup.py's extension, too
 

@@ -84,7 +84,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "qo_torch_l2_terms": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _INT], _I),
     "qo_l2_errors": ([_P, _I, _P, _P, _I, _I, _P, _INT], None),
     "qo_l2_survivors": ([_P, _P, _P, _P, _D, _I, _I, _I, _I, _D, _P, _I, _INT], _I),
-    "qo_entropy": ([_P, _I, _I, _P, _I, _I, _I, _P, _INT], None),
+    "qo_l2_candidates": ([_P, _I, _I, _P, _P, _I, _I, _INT, _P, _INT], _I),
+    "qo_l2_symmetric": ([_P, _I, _I, _P, _P, _D, _D, _INT, _P, _INT], _I),
+    "qo_entropy": ([_P, _I, _I, _P, _I, _I, _I, _I, _P, _INT], None),
+    "qo_entropy_search": ([_P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _INT], _I),
     # qo_info.c
     "qo_source_hash": ([], ctypes.c_char_p),
     "qo_build_info": ([], ctypes.c_char_p),

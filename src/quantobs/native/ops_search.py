@@ -1,6 +1,7 @@
 """Wrappers of `qo_search.c`: the histogram searches' error terms (torch's L2
-terms, the exact L2 errors and the certificate's survivors) and the entropy
-search's divergences.
+terms, the exact L2 errors and the certificate's survivors, the L2 errors of
+candidate ranges of many small histograms) and the entropy search's
+divergences.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from quantobs.native.runtime import available, loaded, threads, usable
 
 __all__ = [
     "entropy",
+    "entropy_search_rows",
+    "l2_candidates",
     "l2_errors",
     "l2_survivors",
+    "l2_symmetric",
     "torch_l2_terms",
 ]
 
@@ -99,6 +103,89 @@ def l2_errors(
     return out
 
 
+def l2_candidates(
+    counts: torch.Tensor,
+    lo_u: torch.Tensor,
+    hi_u: torch.Tensor,
+    levels: int,
+    exact: bool,
+) -> torch.Tensor | None:
+    """L2 errors `(Q, C)` of candidate ranges of the histograms `counts` `(Q, B)`.
+
+    `lo_u`, `hi_u`: `(Q, C)` ranges in bin units. The arithmetic of
+    `solvers.l2_error.approx_errors` (`exact=False`) or `exact_errors`
+    (`exact=True`, levels summed in order) over each row's
+    `prefix_moments`, which the kernel builds; `+inf` where `hi <= lo`.
+    None where the kernels are not available.
+    """
+    if counts.device.type != "cpu" or not available():
+        return None
+    if counts.ndim != 2 or lo_u.shape != hi_u.shape or lo_u.shape[0] != counts.shape[0]:
+        raise ValueError("counts must be (Q, B) and lo_u, hi_u (Q, C)")
+    num_q, bins = counts.shape
+    counts = counts.to(torch.float64).contiguous()
+    lo_u = lo_u.to(torch.float64).contiguous()
+    hi_u = hi_u.to(torch.float64).contiguous()
+    out = torch.empty(lo_u.shape, dtype=torch.float64)
+    failed = loaded().qo_l2_candidates(
+        counts.data_ptr(),
+        num_q,
+        bins,
+        lo_u.data_ptr(),
+        hi_u.data_ptr(),
+        lo_u.shape[1],
+        levels,
+        int(exact),
+        out.data_ptr(),
+        threads(lo_u.numel() * (levels if exact else 4) + counts.numel()),
+    )
+    return None if failed else out  # failed: out of memory
+
+
+def l2_symmetric(
+    counts: torch.Tensor,
+    origin: torch.Tensor,
+    amax: torch.Tensor,
+    qmin: float,
+    qmax: float,
+    exact: bool,
+) -> torch.Tensor | None:
+    """`(Q,)` float64 best amax (bin units) of the batched symmetric L2 search.
+
+    `counts` `(Q, B)` int64; `origin`, `amax` `(Q,)` float64 (bin units):
+    `solvers.l2_batched`'s symmetric block, every amax of a row scored in the
+    kernel (`l2_candidates`' arithmetic). None where the kernels are not
+    available (or out of memory).
+    """
+    if counts.device.type != "cpu" or not available() or counts.dtype != torch.int64:
+        return None
+    if (
+        counts.ndim != 2
+        or origin.shape != amax.shape
+        or amax.numel() != counts.shape[0]
+    ):
+        raise ValueError("counts must be (Q, B) and origin, amax (Q,)")
+    num_q, bins = counts.shape
+    counts = counts.contiguous()
+    origin = origin.to(torch.float64).contiguous()
+    amax = amax.to(torch.float64).contiguous()
+    out = torch.empty(num_q, dtype=torch.float64)
+    levels = int(qmax - qmin + 1)
+    failed = loaded().qo_l2_symmetric(
+        counts.data_ptr(),
+        num_q,
+        bins,
+        origin.data_ptr(),
+        amax.data_ptr(),
+        float(qmin),
+        float(qmax),
+        int(exact),
+        out.data_ptr(),
+        threads(counts.numel() * (levels if exact else 4)),
+    )
+    return None if failed else out
+
+
 def l2_survivors(
     at: torch.Tensor,
     start: torch.Tensor,
@@ -144,7 +231,8 @@ def l2_survivors(
 
 
 def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor | None:
-    """KL divergence `(Q, C)` of clip bins `cands` for histograms `h` `(Q, B)`.
+    """KL divergence `(Q, C)` of clip bins `cands` for histograms `h` `(Q, B)`:
+    `cands` `(C,)` for every row, or `(Q, C)`, one list per row.
 
     `solvers.entropy._divergences` over its `_prefixes`, in float64 (each
     row's prefix sums made in the kernel); None where the kernels are not
@@ -155,11 +243,15 @@ def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor |
     if h.ndim != 2:
         raise ValueError(f"h must be (Q, B), got shape {tuple(h.shape)}")
     num_q, bins = h.shape
+    per_row = cands.ndim == 2
+    if per_row and cands.shape[0] != num_q:
+        raise ValueError(f"per-row candidates must be ({num_q}, C), got {cands.shape}")
     h = h.to(torch.float64).contiguous()
     cands = cands.to(torch.int64).contiguous()
     if cands.numel() and not (int(cands.min()) >= 1 and int(cands.max()) <= bins):
         raise ValueError(f"candidate bins must lie in [1, {bins}]")
-    out = torch.full((num_q, cands.numel()), math.nan, dtype=torch.float64)
+    count = cands.shape[-1]
+    out = torch.full((num_q, count), math.nan, dtype=torch.float64)
     # integer counts: the logs of level masses come from a table
     total = float(h.sum(dim=1).max()) if num_q else 0.0
     integral = total < _LOG_TABLE and bool((h == h.floor()).all())
@@ -168,10 +260,51 @@ def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor |
         num_q,
         bins,
         cands.data_ptr(),
-        cands.numel(),
+        count if per_row else 0,
+        count,
         levels,
         int(total) + 1 if integral else 0,
         out.data_ptr(),
-        threads(num_q * cands.numel() * levels),
+        threads(num_q * count * levels),
     )
     return None if bool(torch.isnan(out).any()) else out  # NaN: out of memory
+
+
+def entropy_search_rows(
+    counts: torch.Tensor,
+    levels: torch.Tensor,
+    start_bin: int,
+    stride: int,
+    coarse: int,
+    keep: int,
+    reach: int,
+) -> torch.Tensor | None:
+    """`(Q,)` int64 clip bins of `solvers.entropy`'s coarse-to-fine search
+    (0: no possible candidate) for int64 counts `(Q, B)` of |x| and `(Q,)`
+    levels, one row at a time in the kernel. None where the kernels are not
+    available (or out of memory, or the search's sizes exceed the kernel's).
+    """
+    if counts.device.type != "cpu" or not available() or counts.dtype != torch.int64:
+        return None
+    if counts.ndim != 2 or levels.numel() != counts.shape[0]:
+        raise ValueError("counts must be (Q, B) and levels (Q,)")
+    num_q, bins = counts.shape
+    counts = counts.contiguous()
+    levels = levels.to(torch.int64).contiguous()
+    total = int(counts.sum(dim=1).max()) if num_q else 0
+    out = torch.empty(num_q, dtype=torch.int64)
+    failed = loaded().qo_entropy_search(
+        counts.data_ptr(),
+        num_q,
+        bins,
+        levels.data_ptr(),
+        start_bin,
+        stride,
+        coarse,
+        keep,
+        reach,
+        total + 1 if total < _LOG_TABLE else 0,
+        out.data_ptr(),
+        threads(counts.numel() * 16),
+    )
+    return None if failed else out

@@ -46,7 +46,16 @@
  *   qo_l2_errors: exact L2 errors of candidate ranges over a histogram (the
  *     certificate of the global L2 search); qo_l2_survivors: the ranges
  *     whose lower bound leaves them in the running.
- *   qo_entropy: KL divergences of entropy calibration's candidates.
+ *   qo_l2_candidates: L2 errors (O(1) or exact) of candidate ranges of
+ *     many small histograms, each row's prefix table made in the kernel (the
+ *     batched L2 and histogram MSE searches per channel / per group);
+ *     qo_l2_symmetric: the batched symmetric L2 search, every amax of each
+ *     row scored in the kernel.
+ *
+ * qo_entropy.c (entropy calibration)
+ *   qo_entropy: KL divergences of entropy calibration's candidates (the same
+ *     for every histogram row, or one list per row); qo_entropy_search: the
+ *     coarse-to-fine entropy search, one row at a time.
  *
  * qo_info.c (what the loader checks and `quantobs info` reports)
  *   qo_source_hash: the hash of the C sources this library was built from
@@ -191,9 +200,22 @@ QO_API int64_t qo_l2_survivors(const double *at, const double *start,
                                double jump_weight, int64_t bins, int64_t levels,
                                int64_t na, int64_t b0, double limit, int64_t *out,
                                int64_t cap, int threads);
+QO_API int64_t qo_l2_candidates(const double *counts, int64_t q, int64_t bins,
+                                const double *lo_u, const double *hi_u, int64_t count,
+                                int64_t levels, int exact, double *out, int threads);
+QO_API int64_t qo_l2_symmetric(const int64_t *counts, int64_t q, int64_t bins,
+                               const double *origin, const double *amax, double qmin,
+                               double qmax, int exact, double *best, int threads);
+
+/* qo_entropy.c */
 QO_API void qo_entropy(const double *h, int64_t q, int64_t bins, const int64_t *cands,
-                       int64_t count, int64_t levels, int64_t masses, double *out,
-                       int threads);
+                       int64_t cand_stride, int64_t count, int64_t levels,
+                       int64_t masses, double *out, int threads);
+QO_API int64_t qo_entropy_search(const int64_t *counts, int64_t q, int64_t bins,
+                                 const int64_t *levels, int64_t start_bin,
+                                 int64_t stride, int64_t coarse, int64_t keep,
+                                 int64_t reach, int64_t masses, int64_t *best,
+                                 int threads);
 
 /* qo_info.c */
 QO_API const char *qo_source_hash(void);

@@ -1,5 +1,5 @@
-/* Histogram searches: torch.ao L2 terms, the global L2 certificate,
- * entropy (see qo_kernels.h). */
+/* Histogram L2 searches: torch.ao's L2 terms, the global L2 certificate,
+ * the batched per-channel / per-group candidates (see qo_kernels.h). */
 #include "qo_kernels.h"
 
 /* Moments int_0^u x^p rho, p = 0, 1, 2, at u (bin units, x centered on the
@@ -41,81 +41,140 @@ void qo_l2_errors(const double *table, int64_t bins, const double *lo,
     }
 }
 
-/* KL divergence of every candidate clip bin i = cands[c] for each histogram
- * row of h (Q, B), from the row's prefix sums (quantobs.solvers.entropy's
- * _prefixes and _divergences, in float64): csum (mass below j), nz
- * (non-empty bins below j), plogp (sum of h log h below j), each B + 1 long,
- * made per row in a thread's own buffer. levels: quantized levels. */
-void qo_entropy(const double *h, int64_t q, int64_t bins, const int64_t *cands,
-                int64_t count, int64_t levels, int64_t masses, double *out,
-                int threads) {
-    const double tiny = 1e-300;
-    /* log n for bin counts n <= bins, and log m for integer level masses
-     * m < masses (0: masses are not all integers, or too many): the same
-     * doubles log() returns, looked up */
-    int64_t size = (bins + 1 > masses ? bins + 1 : masses);
-    double *log_count = malloc((size_t)size * sizeof(double));
-    if (!log_count) return; /* the caller checks for NaN: see native.entropy */
-    for (int64_t n = 0; n < size; ++n) log_count[n] = log(n > 1 ? (double)n : 1.0);
-    double *prefix = malloc((size_t)threads * 3 * (size_t)(bins + 1) * sizeof(double));
-    if (!prefix) {
-        free(log_count);
-        return;
+/* The (bins, 4) table of quantobs.solvers.l2_error.prefix_moments for one
+ * row of counts, in its arithmetic: A_p[j] = P_p[j] - h[j] * l_j^(p+1)/(p+1)
+ * with l_j = j - bins / 2 and P_p the running sum of h * (l_{j+1}^(p+1) -
+ * l_j^(p+1)) / (p+1) (torch.cumsum's order); column 3 holds h. */
+static void prefix_table(const double *counts, int64_t bins, double *table) {
+    const double half = (double)bins / 2;
+    double run[3] = {0.0, 0.0, 0.0};
+    for (int64_t j = 0; j < bins; ++j) {
+        double a = (double)j - half, b = (double)(j + 1) - half, c = counts[j];
+        double pa[3] = {a, a * a / 2, a * a * a / 3};
+        double pb[3] = {b, b * b / 2, b * b * b / 3};
+        for (int p = 0; p < 3; ++p) {
+            table[4 * j + p] = run[p] - c * pa[p];
+            run[p] += c * (pb[p] - pa[p]);
+        }
+        table[4 * j + 3] = c;
     }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+}
+
+/* int (x - center)^2 rho between two sets of moments (region_error) */
+ALWAYS_INLINE double region(const double hi[3], const double lo[3], double center) {
+    double d0 = hi[0] - lo[0], d1 = hi[1] - lo[1], d2 = hi[2] - lo[2];
+    return d2 - 2 * center * d1 + center * center * d0;
+}
+
+/* The L2 error of the range [lo, hi] (bin units, hi > lo) over a row's
+ * prefix_table: the O(1) form of quantobs.solvers.l2_error.approx_errors
+ * (exact = 0) or the exact sum over levels of exact_errors (exact = 1), in
+ * their arithmetic (the levels summed in order); zero and top: the moments
+ * at 0 and at bins. */
+ALWAYS_INLINE double range_error(const double *table, int64_t bins, const double zero[3],
+                                 const double top[3], double lo, double hi,
+                                 int64_t levels, int exact) {
+    const double half = (double)bins / 2;
+    double width = (hi - lo) / (double)levels, total = 0.0;
+    if (exact) {
+        double prev[3] = {zero[0], zero[1], zero[2]}, next[3];
+        for (int64_t l = 0; l < levels; ++l) {
+            double edge = l + 1 == levels ? (double)bins : lo + (double)(l + 1) * width;
+            moments_at(table, bins, edge, next);
+            double center = lo + ((double)l + 0.5) * width - half;
+            total += region(next, prev, center);
+            prev[0] = next[0], prev[1] = next[1], prev[2] = next[2];
+        }
+        return total;
+    }
+    double at_lo[3], at_hi[3];
+    moments_at(table, bins, lo, at_lo);
+    moments_at(table, bins, hi, at_hi);
+    double first = lo + width / 2 - half, last = hi - width / 2 - half;
+    double left = region(at_lo, zero, first);
+    double right = region(top, at_hi, last);
+    double inside = (at_hi[0] - at_lo[0]) * width * width / 12;
+    return left + right + inside;
+}
+
+/* A row's prefix_table (from float64 or int64 counts) and its end moments. */
+static void row_table(const double *counts_f, const int64_t *counts_i, int64_t bins,
+                      double *row, double *table, double zero[3], double top[3]) {
+    if (counts_i)
+        for (int64_t j = 0; j < bins; ++j) row[j] = (double)counts_i[j];
+    prefix_table(counts_i ? row : counts_f, bins, table);
+    moments_at(table, bins, 0.0, zero);
+    moments_at(table, bins, (double)bins, top);
+}
+
+/* The L2 error of each candidate range [lo_u[r, k], hi_u[r, k]] (bin units)
+ * of each histogram row r of counts (Q, B) (range_error; +inf where hi <=
+ * lo). Each thread builds a row's prefix_table in its own buffer. Returns 1
+ * (computing nothing) when out of memory. */
+int64_t qo_l2_candidates(const double *counts, int64_t q, int64_t bins,
+                         const double *lo_u, const double *hi_u, int64_t count,
+                         int64_t levels, int exact, double *out, int threads) {
+    double *tables = malloc((size_t)threads * 4 * (size_t)bins * sizeof(double));
+    if (!tables) return 1;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
     for (int64_t r = 0; r < q; ++r) {
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        const double *hr = h + r * bins;
-        double *cs = prefix + (int64_t)t * 3 * (bins + 1), *nr = cs + bins + 1;
-        double *pl = nr + bins + 1;
-        cs[0] = nr[0] = pl[0] = 0.0;
-        for (int64_t j = 0; j < bins; ++j) { /* torch.cumsum's order */
-            double v = hr[j];
-            cs[j + 1] = cs[j] + v;
-            nr[j + 1] = nr[j] + (v > 0);
-            double log_v = v < (double)masses ? log_count[(int64_t)v] : log(v);
-            pl[j + 1] = pl[j] + (v == 0 ? 0.0 : v * log_v); /* xlogy(v, v) */
-        }
-        double total = cs[bins];
-        double safe_total = total > 0 ? total : 1.0;
-        for (int64_t c = 0; c < count; ++c) {
-            int64_t i = cands[c];
-            double below = cs[i], tail = total - below, last = hr[i - 1];
-            double kept = last + tail;
-            double p_term = pl[i - 1] + (kept > 0 ? kept * log(kept) : 0.0);
-            double q_term = 0.0, top_mass = 0.0, top_bins = 0.0;
-            int64_t top = (i - 1) * levels / i, lower = 0;
-            /* upper = ceil((k + 1) i / levels), stepped without a division:
-             * (k + 1) i = quot * levels + rem */
-            int64_t step_q = i / levels, step_r = i % levels, quot = 0, rem = 0;
-            for (int64_t k = 0; k < levels; ++k) {
-                quot += step_q;
-                rem += step_r;
-                if (rem >= levels) rem -= levels, quot += 1;
-                int64_t upper = quot + (rem > 0);
-                double mass = cs[upper] - cs[lower], filled = nr[upper] - nr[lower];
-                lower = upper;
-                /* a level without mass adds 0 * (log 1 - log n) = 0 (no branch:
-                 * csum never decreases, so mass >= 0) */
-                double log_mass = mass < (double)masses ? log_count[(int64_t)mass]
-                                                        : log(mass > tiny ? mass : tiny);
-                q_term += mass * (log_mass - log_count[(int64_t)filled]);
-                top_mass = k == top ? mass : top_mass;
-                top_bins = k == top ? filled : top_bins;
-            }
-            double q_last = log(top_bins > 0 ? top_mass / top_bins : 1.0);
-            q_term += tail > 0 ? tail * q_last : 0.0;
-            double safe_below = below > 0 ? below : 1.0;
-            double kl = (p_term - q_term) / safe_total - log(safe_total) + log(safe_below);
-            int impossible = below <= 0 || (tail > 0 && last <= 0);
-            out[r * count + c] = impossible ? INFINITY : kl;
+        double *table = tables + (int64_t)t * 4 * bins, zero[3], top[3];
+        row_table(counts + r * bins, NULL, bins, NULL, table, zero, top);
+        for (int64_t k = 0; k < count; ++k) {
+            double lo = lo_u[r * count + k], hi = hi_u[r * count + k];
+            out[r * count + k] =
+                hi > lo ? range_error(table, bins, zero, top, lo, hi, levels, exact)
+                        : INFINITY;
         }
     }
-    free(log_count);
-    free(prefix);
+    free(tables);
+    return 0;
+}
+
+/* The symmetric batched L2 search (quantobs.solvers.l2_batched): for each
+ * row of int64 counts (Q, B), every amax p = min(k, amax[r]), k = max(1,
+ * floor(amax[r]) - B) .. ceil(amax[r]) (bin units), scored over [(qmin - 1/2) s, (qmax + 1/2) s] -
+ * origin[r] with s = p / ((qmax - qmin) / 2) and qmax - qmin + 1 levels
+ * (range_error); best[r]: the first minimum. Returns 1 when out of memory. */
+int64_t qo_l2_symmetric(const int64_t *counts, int64_t q, int64_t bins,
+                        const double *origin, const double *amax, double qmin,
+                        double qmax, int exact, double *best, int threads) {
+    double *buffers = malloc((size_t)threads * 5 * (size_t)bins * sizeof(double));
+    if (!buffers) return 1;
+    const int64_t levels = (int64_t)(qmax - qmin + 1);
+    const double half = (qmax - qmin) / 2;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
+    for (int64_t r = 0; r < q; ++r) {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        double *row = buffers + (int64_t)t * 5 * bins, *table = row + bins;
+        double zero[3], top[3];
+        row_table(NULL, counts + r * bins, bins, row, table, zero, top);
+        double a = amax[r], o = origin[r];
+        double first = floor(a) - (double)bins;
+        first = first < 1.0 ? 1.0 : first;
+        double chosen = first < a ? first : a, least = INFINITY;
+        /* whole steps from first (a count: at 2**53 and above k + 1 == k) */
+        int64_t count = (int64_t)(ceil(a) - first) + 1;
+        for (int64_t j = 0; j < count; ++j) {
+            double k = first + (double)j, p = k < a ? k : a;
+            double scale = p / half;
+            double lo = (qmin - 0.5) * scale - o, hi = (qmax + 0.5) * scale - o;
+            double err = hi > lo ? range_error(table, bins, zero, top, lo, hi, levels,
+                                               exact)
+                                 : INFINITY;
+            if (err < least) least = err, chosen = p;
+        }
+        best[r] = chosen;
+    }
+    free(buffers);
+    return 0;
 }
 
 /* The bin-edge ranges [a, b] (a < na, b0 <= b <= bins, b > a) whose lower

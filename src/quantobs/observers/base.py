@@ -36,6 +36,7 @@ from quantobs.stats.reduce import (
     NanPolicy,
     Range,
     absmax_or_zero,
+    finite_range,
     minmax_of,
     range_or_zero,
 )
@@ -118,13 +119,23 @@ class Observer(ObserverEngine, Registered):
         default: the statistic's own range."""
         return stat.min_vals, stat.max_vals  # type: ignore[attr-defined]
 
+    def _selected_range(self, stat: Statistic) -> Range:
+        """`_range`, made finite where the statistic's data was
+        (`finite_range`: a solver's end past float32's max saturates, a NaN
+        end falls back to the observed one); finite ranges unchanged."""
+        selected = self._range(stat)
+        observed = (getattr(stat, "min_vals", None), getattr(stat, "max_vals", None))
+        if observed[0] is None or observed[1] is None:
+            return selected
+        return finite_range(selected, (observed[0], observed[1]))
+
     def _global_amax(self, stat: Statistic) -> torch.Tensor:
         """`(1,)` largest |value| the global scale derives from: the one the
         statistic keeps, else that of the selected ranges."""
         kept = getattr(stat, "absmax", None)
         if isinstance(kept, torch.Tensor):
             return kept
-        return absmax_or_zero(*self._range(stat))
+        return absmax_or_zero(*self._selected_range(stat))
 
     def _tracks_global(self) -> bool:
         """Whether the args need a global scale (NVFP4's tensor_group)."""
@@ -176,6 +187,9 @@ class Observer(ObserverEngine, Registered):
     def update(self, observed: torch.Tensor) -> None:
         """Fold a batch into the statistics (an empty tensor is a no-op).
 
+        Under `nan_policy="omit"` a batch without any finite value is
+        skipped: neither the statistic nor the counts change.
+
         Raises:
             TypeError: `observed` is not a floating tensor.
             ValueError: a bad shape for the layout, or non-finite values under
@@ -196,25 +210,33 @@ class Observer(ObserverEngine, Registered):
             low, high = minmax_of(observed, self.base_name, self.args)
             n = num_observations_of(observed.shape, self.base_name, self.args)
             stat = self._current_for(tuple(low.shape), observed.device)
-            self._fold(stat, Batch(None, low, high, n), lambda: self.flatten(observed))
+            batch = Batch(None, low, high, n)
+            kept = self._fold(stat, batch, lambda: self.flatten(observed))
         else:
             x_flat = self.flatten(observed)
-            self._observe(x_flat)
+            kept = self._observe(x_flat)
             n = x_flat.shape[0]
-        self._count(observed, n)
+        if kept is not None:  # None: skipped, no finite value (nan_policy="omit")
+            self._count(observed, n)
 
     def _require(self) -> Statistic:
         stat = self.statistic()
         if stat is None:
+            skipped = (
+                " (under nan_policy='omit' a batch with no finite value is skipped)"
+                if self.nan_policy == "omit"
+                else ""
+            )
             raise RuntimeError(
-                f"observer {self.name!r} for {self.base_name!r} has no statistics; "
-                "call update(x) or observer(x) with a non-empty tensor first"
+                f"observer {self.name!r} for {self.base_name!r} has no statistics"
+                f"{skipped}; call update(x) or observer(x) with a non-empty tensor "
+                "of finite values first"
             )
         return stat
 
     def get_range(self) -> Range:
         """The selected `(*qparam_shape,)` range (qparams with no data: `(0, 0)`)."""
-        return range_or_zero(*self._range(self._require()))
+        return range_or_zero(*self._selected_range(self._require()))
 
     def global_amax(self) -> torch.Tensor:
         """`(1,)` float32 largest |value| the NVFP4 global scale derives from
@@ -250,7 +272,7 @@ class Observer(ObserverEngine, Registered):
             global_scale = self._module_param("global_scale")
             if global_scale is None:
                 global_scale = amax_to_global_scale(self._global_amax(stat))
-        min_vals, max_vals = self._range(stat)
+        min_vals, max_vals = self._selected_range(stat)
         return calculate_qparams(
             min_vals, max_vals, self.args, global_scale, empty_as_zero=True
         )
@@ -320,8 +342,7 @@ class Observer(ObserverEngine, Registered):
         Returns:
             `(min_vals, max_vals)`, each `(*qparam_shape,)`.
         """
-        if observed.numel():
-            self._observe(observed)
+        if observed.numel() and self._observe(observed) is not None:
             self.num_observations += observed.shape[0]
         return self.get_range()
 

@@ -35,6 +35,7 @@ from quantobs.stats.base import Batch, Reduce, Statistic
 from quantobs.stats.reduce import (
     NanPolicy,
     count_nonfinite,
+    finite_range,
     minmax_omit_nonfinite,
 )
 
@@ -179,11 +180,12 @@ class ObserverEngine(torch.nn.Module):
             raise self._shape_error(current.qparam_shape, qparam_shape)
         return current
 
-    def _observe(self, x_flat: torch.Tensor) -> Statistic:
+    def _observe(self, x_flat: torch.Tensor) -> Statistic | None:
         """Fold one batch in the canonical layout `(N, *Q, G)` in.
 
         Returns:
-            The new statistic (also in the buffers).
+            The new statistic (also in the buffers), or None where the batch
+            was skipped (`nan_policy="omit"` and no finite value).
         """
         qshape = tuple(x_flat.shape[1:-1])
         stat = self._current_for(qshape, x_flat.device)
@@ -192,7 +194,7 @@ class ObserverEngine(torch.nn.Module):
 
     def _fold(
         self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
-    ) -> Statistic:
+    ) -> Statistic | None:
         """Apply the NaN policy to a scanned batch and update `stat` with it.
 
         Args:
@@ -201,13 +203,35 @@ class ObserverEngine(torch.nn.Module):
             values: the batch in the canonical layout (called only when the
                 values are needed: a value-reading statistic, or non-finite
                 values to count or drop).
+
+        Returns:
+            The new statistic, or None: a batch without any finite value
+            under `nan_policy="omit"` is skipped (nothing stored, see
+            `_apply_nan_policy`).
         """
-        batch = self._apply_nan_policy(stat, batch, values)
+        kept = self._apply_nan_policy(stat, batch, values)
+        if kept is None:
+            return None
+        batch = kept
         if batch.x_flat is None and self._needs_values():
             batch = replace(batch, x_flat=values())
-        new = stat.update(self._prepare_batch(batch))
+        new = stat.update(self._finite_prepared(batch))
         self._store(new)
         return new
+
+    def _finite_prepared(self, batch: Batch) -> Batch:
+        """`_prepare_batch(batch)`, its range made finite where the batch's
+        data was (`finite_range`: a searched range scaled past float32's max,
+        e.g. `expand` times data near it, saturates); else unchanged."""
+        prepared = self._prepare_batch(batch)
+        if prepared is batch or prepared.min_vals.shape != batch.min_vals.shape:
+            return prepared
+        low, high = finite_range(
+            (prepared.min_vals, prepared.max_vals), (batch.min_vals, batch.max_vals)
+        )
+        if low is prepared.min_vals and high is prepared.max_vals:
+            return prepared
+        return replace(prepared, min_vals=low, max_vals=high)
 
     def _prepare_batch(self, batch: Batch) -> Batch:
         """Hook: what the statistic gets of a batch (e.g. a searched range)."""
@@ -215,7 +239,13 @@ class ObserverEngine(torch.nn.Module):
 
     def _apply_nan_policy(
         self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
-    ) -> Batch:
+    ) -> Batch | None:
+        """The batch the statistic gets under the NaN policy, or None to skip
+        it: under `"omit"` a batch with no finite value at all leaves the
+        observer as it was (nothing observed stays nothing observed, and
+        `get_qparams` then raises, rather than a qparam of the empty range,
+        `(0, 0)`, getting the smallest scale). A batch with some finite
+        values is kept; its qparams without one keep the empty range."""
         # NaN and inf propagate into the range, so only it is checked; a
         # range that came with its absmax was seen whole and finite.
         if self.nan_policy == "propagate" or batch.absmax is not None:
@@ -226,6 +256,8 @@ class ObserverEngine(torch.nn.Module):
         if self.nan_policy == "raise":
             raise self._nonfinite_error(x_flat)
         low, high = minmax_omit_nonfinite(x_flat, exact_dtype=self.exact_dtype)
+        if not bool((low <= high).any()):  # no finite value anywhere
+            return None
         kept, skipped = None, False
         if self._needs_values():
             kept, skipped = stat.omit_nonfinite(x_flat)

@@ -20,6 +20,23 @@ name                histogram                      range
                                                    `|fq(x) - x|**norm`
 ==================  =============================  ===========================
 
+Per tensor and per channel / per group. Options are in
+`quantobs.observers.histogram_options`; their `"auto"` defaults keep
+per-tensor observers as they always were (2048 bins, the certified global
+L2 search, TensorRT's exhaustive entropy search, ModelOpt's bin-centre MSE)
+and make per-channel / per-group ones fast: histograms of `auto_bins(G)`
+bins (64 to 256 for `G` values per qparam per observation), the batched L2
+search, the coarse-to-fine entropy search, and the uniform-bin closed form
+for `histogram_mse` on integer formats. A histogram of several qparams
+whose values per qparam are not known yet (an observer that has seen
+nothing, in a distributed sync) is a placeholder without bins: it holds no
+statistic until the first batch sizes it.
+
+The solver's result is cached while the statistic is unchanged: a repeated
+`get_qparams()` / `get_range()` costs no search. The cache is keyed on the
+statistic's buffers (their identity and in-place version counter), so
+`update`, `merge`, `load_state_dict`, `reset` and `.to()` all invalidate it.
+
 Levels. `histogram` (global) cuts a candidate range into as many destination
 bins as the format has values (`qmax - qmin + 1`: 16 for int4, 256 for int8,
 128 for 0..127) and returns the first and last bin centers, which is where
@@ -37,25 +54,35 @@ int8), all of them for asymmetric args on non-negative data, `2 **
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
-from typing import Any, ClassVar, Literal
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.histogram_options import (
+    EntropyOptions,
+    HistogramL2Options,
+    HistogramMSEOptions,
+    HistogramOptions,
+    PercentileOptions,
+    resolve_bins,
+)
+from quantobs.observers.solve_cache import SolveCache
 from quantobs.solvers.entropy import entropy_search
 from quantobs.solvers.global_l2 import l2_search
-from quantobs.solvers.histogram_mse import histogram_mse_search
+from quantobs.solvers.histogram_mse import (
+    histogram_mse_search,
+    histogram_mse_uniform,
+    uniform_applies,
+)
+from quantobs.solvers.l2_batched import l2_search_batched
 from quantobs.solvers.percentile import percentile_range
 from quantobs.solvers.torch_l2 import torch_l2_search, torch_l2_search_batched
 from quantobs.stats.base import Statistic
-from quantobs.stats.histogram import (
-    DEFAULT_BINS,
-    DEFAULT_MAX_COUNTS,
-    MIN_BINS,
-    Histogram,
-)
+from quantobs.stats.histogram import MIN_BINS, Histogram
 from quantobs.stats.reduce import Range
 
 __all__ = [
@@ -72,73 +99,6 @@ __all__ = [
 ]
 
 
-class HistogramOptions(ObserverOptions):
-    """Options of every histogram observer.
-
-    Attributes:
-        bins: bins per qparam (at least 8; 2048 as torch.ao and ModelOpt).
-        max_counts: largest `bins * num_qparams` kept (memory budget, 8 bytes
-            a count); beyond it the first observation raises `ValueError`.
-    """
-
-    bins: int = Field(DEFAULT_BINS, ge=MIN_BINS)
-    max_counts: int = Field(DEFAULT_MAX_COUNTS, ge=1)
-
-
-class HistogramL2Options(HistogramOptions):
-    """Options of `histogram`.
-
-    Attributes:
-        mode: `"global"` (default): the least L2 error over all candidate
-            ranges; `"torch"`: torch.ao's greedy search, same steps.
-    """
-
-    mode: Literal["global", "torch"] = "global"
-
-
-class PercentileOptions(HistogramOptions):
-    """Options of `percentile`.
-
-    Attributes:
-        percentile: in (0, 100]; each kept tail holds this percent of values.
-        symmetric_abs: histogram |x| (one-sided); default: `args.symmetric`.
-    """
-
-    percentile: float = Field(99.99, gt=0.0, le=100.0)
-    symmetric_abs: bool | None = None
-
-
-class EntropyOptions(HistogramOptions):
-    """Options of `entropy` (TensorRT / ModelOpt defaults).
-
-    Attributes:
-        start_bin: the smallest clipping candidate, in bins.
-        stride: candidate spacing, in bins.
-        num_quantized_bins: levels of the quantized |x| (default: see the
-            module docstring; 128 for int8).
-    """
-
-    start_bin: int = Field(128, ge=1)
-    stride: int = Field(1, ge=1)
-    num_quantized_bins: int | None = Field(None, ge=1)
-
-
-class HistogramMSEOptions(HistogramOptions):
-    """Options of `histogram_mse`.
-
-    Attributes:
-        norm: exponent of the absolute error (2: mean squared error).
-        maxshrink: largest fraction the observed range shrinks by, (0, 1].
-        grid: candidates per unit of shrink (`int(maxshrink * grid)` in all).
-        symmetric_abs: histogram |x| (scores positive values only).
-    """
-
-    norm: float = Field(2.0, gt=0.0)
-    maxshrink: float = Field(0.8, gt=0.0, le=1.0)
-    grid: float = Field(100.0, gt=0.0)
-    symmetric_abs: bool = False
-
-
 class HistogramStatObserver(Observer):
     """Base of the histogram observers: an exact `Histogram` per qparam.
 
@@ -150,16 +110,81 @@ class HistogramStatObserver(Observer):
     Options: ClassVar[type[ObserverOptions]] = HistogramOptions
     options: HistogramOptions
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._values_per_qparam: int | None = None  # G of the last batch
+        self._known_bins: int | None = None  # bins of the last statistic held
+        self._solved = SolveCache()
+
     def _absolute(self) -> bool:
         return False
 
     def statistic_config(self) -> dict[str, Any]:
+        bins = self.options.bins
         return {
-            "bins": self.options.bins,
+            "bins": bins if isinstance(bins, int) else MIN_BINS,  # see _new_statistic
             "absolute": self._absolute(),
             "max_counts": self.options.max_counts,
             "owner": f"observer {self.name!r} for {self.base_name!r}",
         }
+
+    # ------------------------------------------------- bins chosen from data
+
+    def _values_from_args(self) -> int | None:
+        """Values per qparam per observation that the args fix, if any."""
+        if self.args.strategy in ("group", "tensor_group"):
+            return self.args.group_size
+        if self.args.strategy == "block" and self.args.block_structure:
+            return math.prod(self.args.block_structure)
+        return None
+
+    def _bins_for(self, qparam_shape: tuple[int, ...]) -> int | None:
+        """Bins of a new histogram (None: not known yet, see the module)."""
+        found = resolve_bins(
+            self.options.bins,
+            math.prod(qparam_shape),
+            self._values_per_qparam or self._values_from_args(),
+        )
+        return self._known_bins if found is None else found
+
+    def _new_statistic(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        config = self.statistic_config()
+        bins = self._bins_for(qparam_shape)
+        if bins is not None:
+            return Histogram.empty(qparam_shape, device, **{**config, "bins": bins})
+        # A placeholder without bins: `statistic()` reads it as none (module).
+        empty = Histogram.empty(qparam_shape, device, **config)
+        return replace(empty, counts=empty.counts[..., :0])
+
+    def statistic(self) -> Statistic | None:
+        """The histogram in the buffers (None before data; a placeholder
+        without bins counts as none)."""
+        stat = super().statistic()
+        if isinstance(stat, Histogram) and stat.bins == 0:
+            return None
+        return stat
+
+    def _observe(self, x_flat: torch.Tensor) -> Statistic | None:
+        self._values_per_qparam = int(x_flat.shape[-1])
+        return super()._observe(x_flat)
+
+    def reset(self) -> None:
+        """Forget every statistic and count (the bins of the last histogram
+        are remembered for an empty one made before the next batch, e.g. by
+        `clear_data`)."""
+        counts = self._buffers.get(self._buffer_name("counts"))
+        if isinstance(counts, torch.Tensor) and counts.ndim and counts.shape[-1]:
+            self._known_bins = int(counts.shape[-1])
+        super().reset()
+
+    def _store(self, stat: Statistic | None) -> None:
+        if isinstance(stat, Histogram) and stat.bins > 0:
+            self._known_bins = stat.bins
+        super()._store(stat)
+
+    # ----------------------------------------------------------------- solve
 
     @property
     def histogram(self) -> Histogram:
@@ -174,12 +199,23 @@ class HistogramStatObserver(Observer):
 
     def _range(self, stat: Statistic) -> Range:
         assert isinstance(stat, Histogram)
+        tensors = list(stat.state().values())
+        return self._solved.get(
+            tensors, (self.args, self.options), lambda: self._solved_range(stat)
+        )
+
+    def _solved_range(self, stat: Histogram) -> Range:
         min_vals, max_vals = self._solve(stat)
         # Qparams that saw no finite value: the empty range (base -> (0, 0)).
         empty = stat.min_vals > stat.max_vals
         min_vals = torch.where(empty, stat.min_vals, min_vals.float())
         max_vals = torch.where(empty, stat.max_vals, max_vals.float())
         return min_vals, max_vals
+
+    def _several(self, hist: Histogram) -> bool:
+        """Whether the histogram has more than one qparam (the `"auto"`
+        settings' per-channel / per-group side)."""
+        return math.prod(hist.qparam_shape) > 1
 
 
 def _within(hist: Histogram, amax: torch.Tensor) -> Range:
@@ -216,11 +252,13 @@ class HistogramL2Observer(HistogramStatObserver):
                 hist.counts, lo, width, self.args, hist.min_vals, hist.max_vals
             )
         levels = int(fmt.max - fmt.min) + 1
+        search = self.options.search
+        if search == "auto":
+            search = "batched" if self._several(hist) else "certified"
+        solver = l2_search_batched if search == "batched" else l2_search
         if self.args.symmetric:
-            return l2_search(
-                hist.counts, lo, width, levels, symmetric=(fmt.min, fmt.max)
-            )
-        low, high = l2_search(hist.counts, lo, width, levels)
+            return solver(hist.counts, lo, width, levels, symmetric=(fmt.min, fmt.max))
+        low, high = solver(hist.counts, lo, width, levels)
         step = (high - low) / levels  # destination bin width: centers are levels
         return low + step / 2, high - step / 2
 
@@ -277,13 +315,21 @@ class EntropyObserver(HistogramStatObserver):
     def _solve(self, hist: Histogram) -> Range:
         _, width = hist.edges()
         amax = torch.maximum(-hist.min_vals, hist.max_vals)
+        several = self._several(hist)
+        start_bin = self.options.start_bin
+        if start_bin is None:
+            start_bin = max(1, hist.bins // 16) if several else 128
+        search = self.options.search
+        if search == "auto":
+            search = "coarse_to_fine" if several else "exhaustive"
         threshold = entropy_search(
             hist.counts,
             width,
             self._levels(hist),
-            start_bin=self.options.start_bin,
+            start_bin=start_bin,
             stride=self.options.stride,
             amax=amax,
+            search=search,
         )
         return _within(hist, threshold)
 
@@ -300,7 +346,20 @@ class HistogramMSEObserver(HistogramStatObserver):
 
     def _solve(self, hist: Histogram) -> Range:
         lo, width = hist.edges()
-        min_vals, max_vals = histogram_mse_search(
+        objective = self.options.objective
+        if objective == "auto":
+            several = self._several(hist)
+            objective = (
+                "uniform_bins"
+                if several and uniform_applies(self.args, self.options.norm)
+                else "bin_centers"
+            )
+        search = (
+            histogram_mse_uniform
+            if objective == "uniform_bins"
+            else histogram_mse_search
+        )
+        min_vals, max_vals = search(
             hist.counts,
             lo,
             width,

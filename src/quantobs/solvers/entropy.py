@@ -30,22 +30,49 @@ loop over levels per candidate, where `quantobs.native` is built)::
 
 with T the total, S_i the mass of bins `< i`, L_k / n_k the mass / non-empty
 bins of level k.
+
+Searches (`search=`)::
+
+    "exhaustive"      every candidate (TensorRT / ModelOpt): O(candidates x
+                      levels) per histogram
+    "coarse_to_fine"  over each histogram's possible candidates (those whose
+                      last bin holds data: any other scores +inf), 24 evenly
+                      spread (first and last included), then around the best
+                      2, candidates a quarter of the spacing apart (-4 .. 4
+                      of them), down to neighbours: about 60 to 100 scored
+                      instead of up to `bins`. The same candidates, divergence
+                      and tie rule, so it equals the exhaustive search where
+                      a histogram has at most 24 possible candidates;
+                      elsewhere it can stop in a local minimum of a jagged KL
+                      curve (benchmarks/bench_histogram_channels.py measures
+                      how often and by how much).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
 from quantobs import native
 from quantobs.native.dispatch import kernel
 
-__all__ = ["entropy_search"]
+__all__ = [
+    "EntropySearch",
+    "coarse_to_fine",
+    "entropy_divergences",
+    "entropy_search",
+]
+
+EntropySearch = Literal["exhaustive", "coarse_to_fine"]
 
 _CHUNK_ELEMS = 1 << 20  # float64 elements per (qparams, candidates, levels) temporary
 _TINY = 1e-300
 _CHUNK_QPARAMS = 256  # qparams scored together (the gathered rows' length)
+_COARSE = 24  # coarse_to_fine: first-level candidates per histogram
+_KEEP = 2  # coarse_to_fine: best candidates refined per level
+_REACH = 4  # coarse_to_fine: -_REACH .. _REACH finer steps around each
 
 
 def _xlogx(x: torch.Tensor) -> torch.Tensor:
@@ -119,14 +146,64 @@ def _divergences(
     return torch.where(impossible, math.inf, kl)
 
 
+def _divergences_rows(
+    h: torch.Tensor, prefixes: Prefixes, cands: torch.Tensor, levels: int
+) -> torch.Tensor:
+    """KL of each row's own candidates `(Q, C)` for the rows of `h` `(Q, B)`:
+    `_divergences`' arithmetic, the level boundaries gathered per row."""
+    num_q, bins = h.shape
+    device = h.device
+    csum, nz, plogp = prefixes
+    total = csum[:, -1:]  # (Q, 1)
+    i = cands.to(torch.int64)  # (Q, C)
+    num_c = i.shape[1]
+
+    mass_below = csum.gather(1, i)
+    tail = total - mass_below
+    last = h.gather(1, i - 1)
+    p_term = plogp.gather(1, i - 1) + _xlogx(last + tail)
+
+    k = torch.arange(levels + 1, device=device)
+    bounds = (k * i[..., None] + levels - 1) // levels  # (Q, C, nb + 1)
+    upper = bounds[..., 1:].reshape(num_q, -1)
+    lower = bounds[..., :-1].reshape(num_q, -1)
+    shape = (num_q, num_c, levels)
+    level_mass = (csum.gather(1, upper) - csum.gather(1, lower)).view(shape)
+    level_bins = (nz.gather(1, upper) - nz.gather(1, lower)).view(shape)
+    log_bins = torch.log(
+        torch.arange(bins + 1, dtype=torch.float64, device=device).clamp(min=1)
+    )
+    log_ratio = torch.log(level_mass.clamp(min=_TINY)).sub_(log_bins[level_bins])
+    q_term = log_ratio.mul_(level_mass).sum(dim=2)  # (Q, C)
+    top = ((i - 1) * levels // i)[..., None]  # (Q, C, 1)
+    top_mass = level_mass.gather(2, top).squeeze(2)
+    top_bins = level_bins.gather(2, top).squeeze(2).to(torch.float64)
+    q_last = torch.log(torch.where(top_bins > 0, top_mass / top_bins, 1.0))
+    q_term = q_term + torch.where(tail > 0, tail * q_last, 0.0)
+
+    safe_total = torch.where(total > 0, total, 1.0)
+    safe_below = torch.where(mass_below > 0, mass_below, 1.0)
+    kl = (p_term - q_term) / safe_total - torch.log(safe_total) + torch.log(safe_below)
+    impossible = (mass_below <= 0) | ((tail > 0) & (last <= 0))
+    return torch.where(impossible, math.inf, kl)
+
+
 @kernel
 def _candidate_divergences(
     h: torch.Tensor, cands: torch.Tensor, levels: int, c_step: int
 ) -> torch.Tensor:
     """`(Q, C)` KL divergences of clip bins `cands` for histograms `h`
-    `(Q, B)`: in torch, candidates in chunks of `c_step`; natively (CPU) all
-    at once."""
+    `(Q, B)`: `cands` `(C,)` shared by every row or `(Q, C)` per row. In
+    torch, candidates in chunks of `c_step`; natively (CPU) all at once."""
     prefixes = _prefixes(h)
+    if cands.ndim == 2:
+        return torch.cat(
+            [
+                _divergences_rows(h, prefixes, cands[:, c0 : c0 + c_step], levels)
+                for c0 in range(0, cands.shape[1], c_step)
+            ],
+            dim=1,
+        )
     return torch.cat(
         [
             _divergences(h, prefixes, cands[c0 : c0 + c_step], levels)
@@ -145,61 +222,48 @@ def _candidate_divergences_native(
 _candidate_divergences.register("cpu", _candidate_divergences_native)
 
 
-def entropy_search(
-    counts: torch.Tensor,
-    width: torch.Tensor,
-    num_quantized_bins: int | torch.Tensor = 128,
-    *,
-    start_bin: int = 128,
-    stride: int = 1,
-    amax: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The clipping threshold of least KL divergence, per qparam.
-
-    Args:
-        counts: `(*Q, bins)` counts of |x|, bin 0 starting at 0.
-        width: `(*Q,)` bin width.
-        num_quantized_bins: levels of the quantized |x| (128 for int8 as in
-            TensorRT; one int or a `(*Q,)` tensor).
-        start_bin: the smallest candidate (in bins).
-        stride: candidate spacing (in bins).
-        amax: `(*Q,)` largest |x| observed; results are clamped to it (and it
-            is the result where no candidate exists). Default: the right edge
-            of the last non-empty bin.
-
-    Returns:
-        `(*Q,)` float64 thresholds (0 where a qparam has no counts).
-
-    Raises:
-        ValueError: `start_bin < 1`, `stride < 1` or fewer than 1 level.
-    """
-    for name, value in (("start_bin", start_bin), ("stride", stride)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    qshape = tuple(counts.shape[:-1])
+def _prepared(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(h, stop)`: `(Q, bins)` float64 counts with ModelOpt's bin-0 rule (bin 0
+    takes bin 1's count: exact zeros do not decide the range) and the `(Q,)`
+    bins up to the largest value (one past the last non-empty bin; 0: none)."""
     bins = counts.shape[-1]
     h = counts.reshape(-1, bins).to(torch.float64, copy=True)  # modified below
-    num_q = h.shape[0]
-    device = h.device
-    levels = torch.as_tensor(num_quantized_bins, device=device).reshape(-1)
-    levels = levels.expand(num_q) if levels.numel() == 1 else levels
-    if bool((levels < 1).any()):
-        raise ValueError(f"num_quantized_bins must be >= 1, got {num_quantized_bins}")
-    width64 = width.reshape(-1).to(torch.float64)
-
-    # bins up to the largest value: one past the last non-empty bin (0: none)
     nonzero = (h > 0).to(torch.uint8)
     has_data = nonzero.amax(dim=1) > 0
     stop = torch.where(has_data, bins - nonzero.flip(1).argmax(dim=1), 0)
-    if amax is None:
-        amax64 = stop.to(torch.float64) * width64
-    else:
-        amax64 = amax.reshape(-1).to(torch.float64)
     if bins > 1:
-        h[:, 0] = h[:, 1]  # ModelOpt: exact zeros do not decide the range
-    cands = torch.arange(min(start_bin, bins + 1), bins + 1, stride, device=device)
-    best = torch.zeros(num_q, dtype=torch.float64, device=device)
-    found = torch.zeros(num_q, dtype=torch.bool, device=device)
+        h[:, 0] = h[:, 1]
+    return h, stop
+
+
+def entropy_divergences(
+    counts: torch.Tensor, cands: torch.Tensor, num_quantized_bins: int
+) -> torch.Tensor:
+    """The KL divergence the search scores for clip bins `cands`.
+
+    Args:
+        counts: `(Q, bins)` counts of |x|, bin 0 starting at 0.
+        cands: `(Q, C)` int64 clip bins in `[1, bins]`, per row.
+        num_quantized_bins: levels of the quantized |x|.
+
+    Returns:
+        `(Q, C)` float64 divergences (`+inf` for impossible candidates).
+    """
+    h, _ = _prepared(counts)
+    c_step = max(1, _CHUNK_ELEMS // (h.shape[0] * (num_quantized_bins + 1)))
+    return _candidate_divergences(h, cands, num_quantized_bins, c_step)
+
+
+def _exhaustive(
+    h: torch.Tensor,
+    stop: torch.Tensor,
+    levels: torch.Tensor,
+    cands: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every candidate `cands` `(C,)` up to each row's `stop`: `(best, found)`."""
+    num_q = h.shape[0]
+    best = torch.zeros(num_q, dtype=torch.int64, device=h.device)
+    found = torch.zeros(num_q, dtype=torch.bool, device=h.device)
     for count in torch.unique(levels).tolist() if cands.numel() else []:
         # One or two distinct level counts (asymmetric args: per qparam sign).
         group = (levels == count).nonzero().squeeze(1)
@@ -219,7 +283,162 @@ def entropy_search(
             least, rev = kl.flip(1).min(dim=1)
             pick = mine.numel() - 1 - rev
             found[rows] = torch.isfinite(least)
-            best[rows] = mine[pick].to(torch.float64) * width64[rows]
-    result = torch.where(found, torch.minimum(best, amax64), amax64)
+            best[rows] = mine[pick]
+    return best, found
+
+
+@kernel
+def coarse_to_fine(
+    counts: torch.Tensor, levels: torch.Tensor, start_bin: int, stride: int
+) -> torch.Tensor:
+    """The module docstring's coarse-to-fine search over int64 counts `(Q,
+    bins)` of |x| with `(Q,)` levels: `(Q,)` int64 chosen clip bins (0 where
+    a row has no possible candidate).
+
+    It walks each row's *possible* candidates only (any other scores `+inf`:
+    clipped mass would land in an empty bin): the clip bins `start_bin + k *
+    stride` up to the row's stop whose last bin holds data, indexed `m = 0
+    .. top`. First `m = round-half-up(j * top / 23)`, `j = 0 .. 23`; then,
+    while the spacing `step` exceeds 1, `step = ceil(step / 4)` and the
+    moves `-4 .. 4` steps around each of the 2 best (clamped). Best: least
+    KL, the larger candidate among ties. A kernel: the native pass
+    (registered for "cpu") runs each row to the end in one loop.
+    """
+    h, stop = _prepared(counts)
+    num_q, bins = h.shape
+    device = h.device
+    best = torch.zeros(num_q, dtype=torch.int64, device=device)
+    cands = torch.arange(min(start_bin, bins + 1), bins + 1, stride, device=device)
+    if cands.numel() == 0:
+        return best
+    for count in torch.unique(levels).tolist():
+        group = (levels == count).nonzero().squeeze(1)
+        q_step = max(1, _CHUNK_ELEMS // max(1, cands.numel()))
+        for q0 in range(0, group.numel(), q_step):
+            rows = group[q0 : q0 + q_step]
+            hr = h[rows]
+            possible = (cands[None, :] <= stop[rows, None]) & (hr[:, cands - 1] > 0)
+            # possible candidates first, in increasing order: (R, C)
+            order = torch.argsort((~possible).to(torch.uint8), dim=1, stable=True)
+            packed = cands[order]
+            top = possible.sum(dim=1, keepdim=True) - 1  # (R, 1) last index
+            live = (top[:, 0] >= 0).nonzero().squeeze(1)
+            if live.numel():
+                chosen = _refine(hr[live], packed[live], top[live], int(count))
+                best[rows[live]] = chosen
+    return best
+
+
+def _coarse_to_fine_native(
+    counts: torch.Tensor, levels: torch.Tensor, start_bin: int, stride: int
+) -> torch.Tensor | None:
+    return native.entropy_search_rows(
+        counts, levels, start_bin, stride, _COARSE, _KEEP, _REACH
+    )
+
+
+coarse_to_fine.register("cpu", _coarse_to_fine_native)
+
+
+def _refine(
+    h: torch.Tensor, packed: torch.Tensor, top: torch.Tensor, levels: int
+) -> torch.Tensor:
+    """Coarse-to-fine over the index `m = 0 .. top` of each row's candidates
+    `packed` `(R, C)` (`coarse_to_fine`); returns the `(R,)` chosen ones."""
+    rows = h.shape[0]
+    device = h.device
+    c_step = max(1, _CHUNK_ELEMS // (rows * (levels + 1)))
+
+    def score(m: torch.Tensor) -> torch.Tensor:
+        m = torch.minimum(torch.clamp(m, min=0), top)
+        kl = _candidate_divergences(h, packed.gather(1, m), levels, c_step)
+        # ties go to the larger candidate: a descending stable sort first
+        order = torch.argsort(-m, dim=1, stable=True)
+        m, kl = m.gather(1, order), kl.gather(1, order)
+        keep = torch.argsort(kl, dim=1, stable=True)[:, :_KEEP]
+        return m.gather(1, keep)  # (R, _KEEP) best first
+
+    ticks = torch.arange(_COARSE, device=device)
+    # round-half-up(j * top / (_COARSE - 1)), in integers
+    chosen = score((2 * ticks * top + _COARSE - 1) // (2 * (_COARSE - 1)))
+    step = (top + _COARSE - 2) // (_COARSE - 1)  # (R, 1) candidates apart
+    moves = torch.arange(-_REACH, _REACH + 1, device=device)
+    while bool((step > 1).any()):
+        active = step > 1  # rows still refining (the others are done)
+        step = torch.where(
+            active, torch.clamp((step + _REACH - 1) // _REACH, min=1), step
+        )
+        near = chosen[:, :, None] + moves * step[:, :, None]
+        chosen = torch.where(active, score(near.reshape(rows, -1)), chosen)
+    return packed.gather(1, chosen[:, :1]).squeeze(1)
+
+
+def entropy_search(
+    counts: torch.Tensor,
+    width: torch.Tensor,
+    num_quantized_bins: int | torch.Tensor = 128,
+    *,
+    start_bin: int = 128,
+    stride: int = 1,
+    amax: torch.Tensor | None = None,
+    search: EntropySearch = "exhaustive",
+) -> torch.Tensor:
+    """The clipping threshold of least KL divergence, per qparam.
+
+    Args:
+        counts: `(*Q, bins)` counts of |x|, bin 0 starting at 0.
+        width: `(*Q,)` bin width.
+        num_quantized_bins: levels of the quantized |x| (128 for int8 as in
+            TensorRT; one int or a `(*Q,)` tensor).
+        start_bin: the smallest candidate (in bins).
+        stride: candidate spacing (in bins).
+        amax: `(*Q,)` largest |x| observed; results are clamped to it (and it
+            is the result where no candidate exists). Default: the right edge
+            of the last non-empty bin.
+        search: `"exhaustive"` (every candidate) or `"coarse_to_fine"` (see
+            the module docstring).
+
+    Returns:
+        `(*Q,)` float64 thresholds (0 where a qparam has no counts).
+
+    Raises:
+        ValueError: `start_bin < 1`, `stride < 1`, fewer than 1 level or an
+            unknown search.
+    """
+    for name, value in (("start_bin", start_bin), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if search not in ("exhaustive", "coarse_to_fine"):
+        raise ValueError(
+            f"search={search!r} is not one of ['exhaustive', 'coarse_to_fine']"
+        )
+    qshape = tuple(counts.shape[:-1])
+    bins = counts.shape[-1]
+    rows = counts.reshape(-1, bins)
+    num_q = rows.shape[0]
+    device = rows.device
+    levels = torch.as_tensor(num_quantized_bins, device=device).reshape(-1)
+    levels = levels.expand(num_q) if levels.numel() == 1 else levels
+    if bool((levels < 1).any()):
+        raise ValueError(f"num_quantized_bins must be >= 1, got {num_quantized_bins}")
+    width64 = width.reshape(-1).to(torch.float64)
+    if search == "coarse_to_fine":
+        best = coarse_to_fine(rows, levels.to(torch.int64), start_bin, stride)
+        found = best > 0
+        stop = None
+        has_data = (rows > 0).any(dim=1)
+    else:
+        h, stop = _prepared(rows)
+        has_data = stop > 0
+        cands = torch.arange(min(start_bin, bins + 1), bins + 1, stride, device=device)
+        best, found = _exhaustive(h, stop, levels, cands)
+    if amax is not None:
+        amax64 = amax.reshape(-1).to(torch.float64)
+    else:
+        if stop is None:
+            _, stop = _prepared(rows)
+        amax64 = stop.to(torch.float64) * width64
+    best64 = best.to(torch.float64) * width64
+    result = torch.where(found, torch.minimum(best64, amax64), amax64)
     result = torch.where(has_data, result, torch.zeros_like(result))
     return result.reshape(qshape)

@@ -14,8 +14,10 @@ about the histogram's middle (fewer digits lost in float64). A prefix table
 (`prefix_moments`) gives the moments up to any position in one gather, so
 the error of a range is O(levels) (`exact_errors`, and its kernel for one
 histogram, `row_errors`) or O(1) when the density is taken as uniform within
-each destination bin (`approx_errors`). `quantobs.solvers.global_l2`
-searches with them; `quantobs.solvers.l2_bounds` bounds them from below.
+each destination bin (`approx_errors`); `candidate_errors` is the kernel of
+either over many small histograms, each with its own candidates.
+`quantobs.solvers.global_l2` searches with them; `quantobs.solvers.l2_bounds`
+bounds them from below.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from quantobs.native.dispatch import kernel
 __all__ = [
     "approx_errors",
     "as_rows",
+    "candidate_errors",
     "exact_errors",
     "l2_errors",
     "moments_at",
@@ -160,6 +163,37 @@ def approx_errors(
     right = region_error(m[:, :, 3], m[:, :, 2], last)
     inside = (m[0, :, 2] - m[0, :, 1]) * width * width / 12
     return left + right + inside
+
+
+@kernel
+def candidate_errors(
+    counts: torch.Tensor,
+    lo_u: torch.Tensor,
+    hi_u: torch.Tensor,
+    levels: int,
+    exact: bool,
+) -> torch.Tensor:
+    """L2 errors `(Q, C)` of each row's candidate ranges.
+
+    Args:
+        counts: `(Q, bins)` float64 counts (one small histogram per row).
+        lo_u: `(Q, C)` lower ends, in bin units.
+        hi_u: `(Q, C)` upper ends, in bin units.
+        levels: destination bins.
+        exact: `exact_errors` (O(levels) each) rather than `approx_errors`.
+
+    Returns:
+        `(Q, C)` float64 errors in squared bin units, `+inf` where
+        `hi_u <= lo_u`. A kernel: the native pass (registered for "cpu")
+        builds each row's prefix table itself, with the same arithmetic.
+    """
+    prefix = prefix_moments(counts)
+    score = exact_errors if exact else approx_errors
+    errors = score(prefix, counts, lo_u, hi_u, levels)
+    return torch.where(hi_u > lo_u, errors, torch.inf)
+
+
+candidate_errors.register("cpu", native.l2_candidates)
 
 
 def as_rows(

@@ -79,6 +79,17 @@ def _alpha_beta() -> tuple[list[float], list[float]]:
     return alpha, beta
 
 
+@functools.lru_cache(maxsize=8)
+def _alpha_beta_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_alpha_beta()` as float64 tensors on `device` (made once: 10^5 values
+    each; callers only read them)."""
+    alpha, beta = _alpha_beta()
+    return (
+        torch.tensor(alpha, dtype=torch.float64, device=device),
+        torch.tensor(beta, dtype=torch.float64, device=device),
+    )
+
+
 def _f32(value: float) -> float:
     """A double rounded to the nearest float32, as torch casts a scalar."""
     try:
@@ -376,9 +387,7 @@ def torch_l2_search_batched(
     _check_histogram(histogram.reshape(-1), dst_nbins)
     num_q, bins = histogram.shape
     device = histogram.device
-    alpha, beta = _alpha_beta()
-    alphas = torch.tensor(alpha, dtype=torch.float64, device=device)
-    betas = torch.tensor(beta, dtype=torch.float64, device=device)
+    alphas, betas = _alpha_beta_tensors(device)
     width = (max_val.to(torch.float64) - min_val.to(torch.float64)) / bins
     total = histogram.sum(dim=1).to(torch.float64)
     c_sum = torch.cumsum(histogram, dim=1)

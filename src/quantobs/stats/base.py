@@ -277,15 +277,32 @@ def weighted_mean(
     non-finite value (an empty range's `+-inf`) counts as absent (weight 0).
 
     Where every value is absent the first value is kept. Equal weights where
-    any weight is missing.
+    any weight is missing. Computed in the values' dtype, as the distributed
+    reduction's float64 where that overflows (`v * w` past float32's max for
+    values near it): a mean of finite values is finite.
     """
     if any(w is None for w in weights):
         weights = [torch.ones((), device=values[0].device)] * len(values)
-    total = torch.zeros_like(values[0])
-    weighted = torch.zeros_like(values[0])
+    mean, total = _weighted_mean(values, weights, values[0].dtype)
+    overflow = (total > 0) & ~torch.isfinite(mean)
+    if bool(overflow.any()):
+        wide, _ = _weighted_mean(values, weights, torch.float64)
+        mean = torch.where(overflow, wide.to(mean.dtype), mean)
+    return mean
+
+
+def _weighted_mean(
+    values: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weighted_mean` computed in `dtype` (result in it), and the total
+    weight of the present values."""
+    total = torch.zeros_like(values[0], dtype=dtype)
+    weighted = torch.zeros_like(values[0], dtype=dtype)
     for value, weight in zip(values, weights, strict=True):
         present = torch.isfinite(value)
-        w = torch.where(present, weight.to(value.dtype), 0.0)  # type: ignore[union-attr]
-        weighted = weighted + torch.where(present, value * w, 0.0)
+        w = torch.where(present, weight.to(dtype), 0.0)  # type: ignore[union-attr]
+        weighted = weighted + torch.where(present, value.to(dtype) * w, 0.0)
         total = total + w
-    return torch.where(total > 0, weighted / total, values[0])
+    return torch.where(total > 0, weighted / total, values[0].to(dtype)), total

@@ -106,7 +106,7 @@ class CandidateErrors(Statistic):
         self, min_vals: torch.Tensor, max_vals: torch.Tensor
     ) -> CandidateErrors:
         """A fresh statistic (no errors) whose candidates shrink this range
-        (times `expand`).
+        (times `expand`, saturated to float32's finite range).
 
         Raises:
             ValueError: non-finite values, or `min_vals > max_vals`.
@@ -118,7 +118,10 @@ class CandidateErrors(Statistic):
             raise ValueError(
                 "set_reference() needs min_vals <= max_vals of the same shape"
             )
-        ref_min, ref_max = min_vals * self.expand, max_vals * self.expand
+        # `expand` past float32's max saturates (the candidates stay finite)
+        top = torch.finfo(min_vals.dtype).max
+        ref_min = (min_vals * self.expand).clamp(-top, top)
+        ref_max = (max_vals * self.expand).clamp(-top, top)
         global_scale = None
         tensor_group = self.args is not None and self.args.strategy == "tensor_group"
         if self.round_scales and tensor_group:

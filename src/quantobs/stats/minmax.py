@@ -25,7 +25,10 @@ write them::
     step     old + c * (new - old)           torch.ao, llm-compressor (legacy)
 
 A qparam with no data on one side (the empty range `(+inf, -inf)`) takes the
-other side's range unchanged.
+other side's range unchanged. A step of finite ranges never overflows: where
+the form's float32 arithmetic would (ends of opposite signs near float32's
+max: `new - old` is infinite), that step is redone in float64; merges
+likewise (`weighted_mean`).
 """
 
 from __future__ import annotations
@@ -188,8 +191,26 @@ def lerp_ranges(
             mixed = torch.where(old_empty, after, mixed)
         if any_new:
             mixed = torch.where(new_empty, before, mixed)
-        out.append(mixed)
+        out.append(_redo_overflow(mixed, before, after, weight))
     return out[0], out[1]
+
+
+def _redo_overflow(
+    mixed: torch.Tensor, before: torch.Tensor, after: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """`mixed` where it is finite or its ends are not; steps of finite ends
+    that overflowed (`new - old` of opposite signs near the dtype's max in
+    the `step` form, a rounding past it in `blend`) redone in float64 as
+    `old * (1 - w) + new * w`, a weighted mean: finite, between the ends.
+    Ordinary steps keep their bits (one check)."""
+    if bool(torch.isfinite(mixed).all()):
+        return mixed
+    bad = ~torch.isfinite(mixed) & torch.isfinite(before) & torch.isfinite(after)
+    if not bool(bad.any()):
+        return mixed
+    top = torch.finfo(mixed.dtype).max
+    exact = before.double() * (1.0 - weight) + after.double() * weight
+    return torch.where(bad, exact.clamp(-top, top).to(mixed.dtype), mixed)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,12 @@ class QuarkHistogram(Statistic):
     def qparam_shape(self) -> tuple[int, ...]:
         return tuple(self.min_vals.shape)
 
+    def omit_nonfinite(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Non-finite values dropped: the finite ones as one row `(1, *Q,
+        K)` (one qparam; 0 in their place would be counted)."""
+        kept = x_flat[torch.isfinite(x_flat)]
+        return kept.reshape(1, *self.qparam_shape, -1), False
+
     def _grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.counts.numel() == 0 else (self.counts, self.edges)
 

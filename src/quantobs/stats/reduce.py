@@ -12,7 +12,9 @@ NaN policy (what an observer does with non-finite inputs)::
     policy      NaN / +-inf in the batch
     raise       ValueError naming the observer and the count
     omit        ignored: min/max skip them, histograms do not count them,
-                errors count them as exact (x = 0)
+                errors count them as exact (x = 0); a batch with no finite
+                value at all is skipped (the observer stays as it was: one
+                that saw nothing still raises "no statistics")
     propagate   kept: NaN / inf reach the statistics (torch.ao's behaviour)
 """
 
@@ -26,6 +28,7 @@ import torch
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import block_view, flatten_for_calibration
+from quantobs.core.qparams import all_finite
 from quantobs.native.dispatch import kernel
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "absmax_or_zero",
     "count_nonfinite",
     "drop_nonfinite",
+    "finite_range",
     "minmax",
     "minmax_of",
     "minmax_omit_nonfinite",
@@ -183,6 +187,43 @@ def range_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> Range:
         return min_vals, max_vals
     zero = torch.zeros_like(min_vals)
     return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
+
+
+def finite_range(selected: Range, observed: Range) -> Range:
+    """A solver's range made finite wherever the observed data was finite.
+
+    A solver working near the float32 maximum can overflow: a histogram's
+    last bin edge past it becomes `+-inf` when the range is cast to float32,
+    and `inf - inf` in later arithmetic NaN. Per qparam whose observed range
+    is finite and non-empty::
+
+        selected end       becomes
+        +inf / -inf        +max / -max of its dtype (saturated)
+        NaN                the observed end
+        finite             itself
+
+    Qparams without data (an empty observed range), with non-finite data
+    (`nan_policy="propagate"`) or whose selection is the empty range
+    `(+inf, -inf)` (e.g. every value left out) keep the selected range, and
+    a finite selection is returned as it is (one check).
+
+    Args:
+        selected: the solver's `(*Q,)` `(min_vals, max_vals)`.
+        observed: the data's `(*Q,)` `(min_vals, max_vals)`.
+    """
+    low, high = selected
+    if all_finite(low, high):
+        return low, high
+    data_low, data_high = observed[0].to(low.dtype), observed[1].to(high.dtype)
+    seen = torch.isfinite(data_low) & torch.isfinite(data_high)
+    seen &= data_low <= data_high
+    seen &= ~((low == math.inf) & (high == -math.inf))
+    top = torch.finfo(low.dtype).max
+    out = []
+    for end, data in ((low, data_low), (high, data_high)):
+        fixed = torch.where(torch.isnan(end), data, end.clamp(-top, top))
+        out.append(torch.where(seen, fixed, end))
+    return out[0], out[1]
 
 
 @kernel

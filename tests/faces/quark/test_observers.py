@@ -152,9 +152,14 @@ def _params(function: Callable[..., Any]) -> list[tuple[str, Any]]:
 
 @pytest.mark.parametrize("name", OBSERVER_NAMES)
 def test_constructor_signature_is_quarks(q: SimpleNamespace, name: str) -> None:
-    assert _params(getattr(ours, name).__init__) == _params(
-        getattr(q.obs, name).__init__
-    )
+    # Quark's parameters, plus our keyword-only `nan_policy` (every face's)
+    mine = inspect.signature(getattr(ours, name).__init__).parameters
+    extra = mine["nan_policy"]
+    assert extra.kind is inspect.Parameter.KEYWORD_ONLY
+    expected = "omit" if name == "PerBlockBFPObserver" else "raise"
+    assert extra.default == expected  # Quark's own handling (BFP: NaN -> 0)
+    kept = [(n, p.default) for n, p in mine.items() if n != "nan_policy"]
+    assert kept == _params(getattr(q.obs, name).__init__)
 
 
 @pytest.mark.parametrize(

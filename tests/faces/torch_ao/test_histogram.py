@@ -208,3 +208,44 @@ def test_global_search_of_one_value() -> None:
     b = tob.HistogramObserver()
     b(torch.full((10,), 3.0))
     assert_same_qparams(a, b)
+
+
+@pytest.mark.parametrize("search", ["global", "torch"])
+def test_searched_range_is_cached_until_the_histogram_changes(search: str) -> None:
+    # torch.ao's convert calls calculate_qparams again: the search runs once
+    # per histogram; observing, loading a state dict or a reset runs it again.
+    observer = ours.HistogramObserver(search=search)
+    calls = []
+    found = observer._search
+
+    def counted() -> Any:
+        calls.append(1)
+        return found()
+
+    observer._search = counted  # type: ignore[method-assign]
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    observer(x)
+    first = observer.calculate_qparams()
+    again = observer.calculate_qparams()
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    observer(x * 2)
+    observer.calculate_qparams()
+    assert len(calls) == 2
+    other = ours.HistogramObserver(search=search)
+    other(x * 3)
+    observer.load_state_dict(other.state_dict())
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            observer.calculate_qparams(), other.calculate_qparams(), strict=True
+        )
+    )
+    assert len(calls) == 3
+    observer.reset_min_max_vals()
+    observer(x)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(observer.calculate_qparams(), first, strict=True)
+    )
+    assert len(calls) == 4

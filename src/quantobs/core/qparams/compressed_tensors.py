@@ -12,6 +12,16 @@ non-finite or out-of-range result:
 * An MX amax near the float32 maximum gets the scale `2**(128 - emax)`
   (compressed-tensors rounds it to `inf` in float32 bits and returns an
   infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
+* A (non-MX, non-power-of-two) scale below the smallest normal number of the
+  dtype it is returned in (`finfo(dtype).tiny`: 2**-126 for float32) is
+  raised to it. compressed-tensors keeps the subnormal scale, rounded to the
+  nearest subnormal: relative errors up to 1/2 (e.g. `9.06e-45` becomes
+  `8.41e-45`), so the levels drift off the range and in-range values miss by
+  more than half a step (int4 asymmetric over `[-9.67e-44, 3.92e-44]`: 1.67
+  steps). With the floor every in-range value dequantizes within half a step
+  (all of them to 0, the nearest level). A `scale_dtype` rounds the scale
+  afterwards with its own precision (FP8 group scales keep their subnormals,
+  as compressed-tensors stores them).
 
 MX scales (and optional power-of-two scales of other args) use
 `quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
@@ -197,6 +207,8 @@ def calculate_qparams(
         scale = _symmetric_scales(
             min_vals, max_vals, args.format, args.scale_dtype, gscale, empty_as_zero
         )
+        if _may_be_subnormal(args.scale_dtype, scale.dtype):
+            scale = _floor_positive(scale)
         return _with_zero_point(scale, None, args)
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
@@ -223,6 +235,8 @@ def calculate_qparams(
             scale = torch.where(
                 wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
             )
+        if pow2 is None:  # powers of two are exact, subnormal or not
+            scale = _floor_subnormal(scale, out_dtype)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         # min == 0 wherever scale == 0, so the zero point is qmin there.
         zero_point = torch.clamp(qmin - min_vals / safe, qmin, qmax)
@@ -233,6 +247,33 @@ def calculate_qparams(
     global_work = None if global_scale is None else global_scale.to(work)
     scale = _finish_scale(scale, global_work, scale_dtype, out_dtype)
     return _with_zero_point(scale, zero_point, args)
+
+
+def _may_be_subnormal(scale_dtype: torch.dtype | None, dtype: torch.dtype) -> bool:
+    """Whether a scale rounded to `scale_dtype` (None: not rounded) can be a
+    positive number below `dtype`'s smallest normal: not when `scale_dtype`'s
+    smallest subnormal (`tiny * eps`, e.g. 2**-9 for FP8 e4m3) is above it."""
+    if scale_dtype is None or not scale_dtype.is_floating_point:
+        return True
+    info = torch.finfo(scale_dtype)
+    return info.tiny * info.eps < torch.finfo(dtype).tiny
+
+
+def _floor_subnormal(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Positive scales below `dtype`'s smallest normal number raised to it
+    (module docstring); zeros (replaced later) and normal scales unchanged."""
+    tiny = torch.finfo(dtype).tiny
+    small = (scale > 0) & (scale < tiny)
+    return torch.where(small, tiny, scale) if bool(small.any()) else scale
+
+
+def _floor_positive(scale: torch.Tensor) -> torch.Tensor:
+    """`_floor_subnormal` of finished scales (all positive): one reduction
+    where none is subnormal."""
+    tiny = torch.finfo(scale.dtype).tiny
+    if not scale.numel() or not bool(scale.amin() < tiny):
+        return scale
+    return scale.clamp(min=tiny)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -29,6 +29,13 @@ Scale and zero point, for a range first extended to include 0::
     per_channel_affine_     (max - min) / (qmax - qmin) on    -min / scale (float)
     float_qparams           the raw range; 1.0 if <= eps
 
+Beyond torch, on finite ranges where its float32 arithmetic overflows (only
+there; elsewhere torch's bits): a `max - min` past float32's max gives the
+scale `(max / 2 - min / 2) / ((qmax - qmin) / 2)` computed in float64 (torch:
+inf), and a `round(min / scale)` past int32's range is subtracted and clamped
+in float64 before the int32 cast (torch's cast wraps, e.g. qint32 zero points
+of 0 for wide ranges).
+
     Before any observation: a warning and (1.0, 0) of shape (1,).
 """
 
@@ -240,13 +247,15 @@ def torch_qparams(
         zero_point = zero_point.new_full(zero_point.size(), middle)
     elif qscheme == torch.per_channel_affine_float_qparams:
         scale = (max_val - min_val) / float(quant_max - quant_min)
+        scale = _wide_scale(scale, min_val, max_val, quant_min, quant_max)
         scale = torch.where(scale > eps, scale, torch.ones_like(scale))
         # q = round(x / scale + zp) with zp = -min / scale: q = round((x - min) / scale)
         zero_point = -1 * min_val / scale
     else:
-        scale = torch.max((max_pos - min_neg) / float(quant_max - quant_min), eps)
-        zero_point = quant_min - torch.round(min_neg / scale).to(torch.int)
-        zero_point = torch.clamp(zero_point, quant_min, quant_max)
+        scale = (max_pos - min_neg) / float(quant_max - quant_min)
+        scale = _wide_scale(scale, min_neg, max_pos, quant_min, quant_max)
+        scale = torch.max(scale, eps)
+        zero_point = _affine_zero_point(min_neg, scale, quant_min, quant_max)
 
     # Per-tensor results become shape (1,), as torch's FakeQuantize expects.
     if scale.dim() == 0:
@@ -258,6 +267,47 @@ def torch_qparams(
             value = int(zero_point)
         zero_point = torch.tensor([value], dtype=zero_point.dtype, device=device)
     return scale, zero_point
+
+
+def _wide_scale(
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+) -> torch.Tensor:
+    """`(high - low) / (qmax - qmin)` where torch's float32 `high - low`
+    overflowed on a finite range (torch: an infinite scale): `(high / 2 -
+    low / 2) / ((qmax - qmin) / 2)` in float64, cast back (still infinite
+    only where the scale itself passes float32's max, e.g. a custom range of
+    2 levels; the torch.ao face then raises). Other scales keep torch's bits."""
+    if bool(torch.isfinite(scale).all()):
+        return scale
+    wide = ~torch.isfinite(scale) & torch.isfinite(low) & torch.isfinite(high)
+    if not bool(wide.any()):
+        return scale
+    half = (high.double() / 2 - low.double() / 2) / ((quant_max - quant_min) / 2)
+    return torch.where(wide, half.to(scale.dtype), scale)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _affine_zero_point(
+    min_neg: torch.Tensor, scale: torch.Tensor, quant_min: int, quant_max: int
+) -> torch.Tensor:
+    """torch's affine zero point, `clamp(qmin - round(min_neg / scale))`, as
+    int32: torch's float32 quotient and rounding, then the subtraction and
+    clamp in float64 before the int32 cast where `round(min_neg / scale)`
+    passes int32's range (torch casts first, and the cast wraps: qint32
+    zero points of wide ranges). Elsewhere torch's bits."""
+    rounded = torch.round(min_neg / scale)
+    zero_point = torch.clamp(quant_min - rounded.to(torch.int), quant_min, quant_max)
+    wraps = torch.isfinite(rounded) & ((rounded < _INT32_MIN) | (rounded > _INT32_MAX))
+    if not bool(wraps.any()):
+        return zero_point
+    exact = torch.clamp(quant_min - rounded.double(), quant_min, quant_max)
+    return torch.where(wraps, exact.to(zero_point.dtype), zero_point)
 
 
 @dataclass(frozen=True)

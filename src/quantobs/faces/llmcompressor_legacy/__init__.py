@@ -42,6 +42,9 @@ Differences from the legacy code, each deliberate:
   columns, `g_idx` groups of unequal size, a range whose shape changes while
   a moving average is kept, non-finite or empty inputs, unknown options, and
   the strategies the legacy API cannot express (`block`, `attn_head`).
+  Non-finite inputs follow the option `nan_policy` (`"raise"` by default,
+  `"omit"`, `"propagate"`: every face's), where the legacy code returned NaN
+  scales.
 """
 
 from quantobs.faces.llmcompressor_legacy.base import (

@@ -19,6 +19,7 @@ from quantobs.core.layout import flatten_for_calibration, normalize_axis
 from quantobs.core.qparams import CompressedTensorsRule
 from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = ["GROUPS_ID", "Observer", "ObserverOptions", "QParams", "check_observed"]
 
@@ -31,9 +32,21 @@ QParams = tuple[torch.Tensor, torch.Tensor]
 
 
 class ObserverOptions(BaseModel):
-    """Options of an observer; the base class takes none."""
+    """Options every legacy observer takes (subclasses add their own).
+
+    Attributes:
+        nan_policy: what a batch's NaN / inf values do, as for
+            `quantobs.Observer` (`quantobs.stats.reduce`'s table):
+            `"raise"` (default, beyond the legacy code, whose scales became
+            NaN) raises `ValueError`; `"omit"` ignores them (a batch with no
+            finite value is skipped; `get_qparams` of a first such batch
+            raises); `"propagate"` lets them reach the ranges, whose qparams
+            then raise `ValueError`.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nan_policy: NanPolicy = "raise"
 
 
 def _to_args(quantization_args: Any) -> QuantizationArgs:
@@ -94,7 +107,8 @@ class Observer(ObserverEngine, Registered):
     Args:
         quantization_args: quantobs or compressed-tensors `QuantizationArgs`.
         **observer_kwargs: options of this observer (merged over
-            `quantization_args.observer_kwargs`), validated by `Options`.
+            `quantization_args.observer_kwargs`), validated by `Options`;
+            every observer takes `nan_policy` (`ObserverOptions`).
 
     Raises:
         TypeError: `quantization_args` is not a QuantizationArgs.
@@ -110,7 +124,6 @@ class Observer(ObserverEngine, Registered):
     _zero_point: torch.Tensor | None
 
     def __init__(self, quantization_args: Any, **observer_kwargs: Any) -> None:
-        super().__init__(nan_policy="raise")
         args = _to_args(quantization_args)
         if args.strategy not in _SUPPORTED:
             raise ValueError(
@@ -118,14 +131,18 @@ class Observer(ObserverEngine, Registered):
                 f"observer API (use one of {', '.join(_SUPPORTED)}); "
                 "quantobs.Observer supports 'block' and 'attn_head'"
             )
-        self.quantization_args = args
-        self.rule = CompressedTensorsRule(args)
-        self.options = validate_options(
+        options = validate_options(
             self.Options,
             f"observer {self.name!r}",
             args.observer_kwargs,
             observer_kwargs,
         )
+        super().__init__(nan_policy=options.nan_policy)
+        self.quantization_args = args
+        # Qparams of no finite value (nan_policy="omit") are (0, 0), as the
+        # core observers' (other policies never leave a range empty).
+        self.rule = CompressedTensorsRule(args, empty_as_zero=True)
+        self.options = options
         self.register_buffer("_scale", None, persistent=False)
         self.register_buffer("_zero_point", None, persistent=False)
         self._num_observed_tokens: int | None = None

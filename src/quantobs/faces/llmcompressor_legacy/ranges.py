@@ -35,7 +35,7 @@ from quantobs.faces.llmcompressor_legacy.base import (
 )
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Batch, Reduce, Statistic
-from quantobs.stats.reduce import Range, count_nonfinite
+from quantobs.stats.reduce import Range, count_nonfinite, range_or_zero
 
 __all__ = ["RangeObserver", "RangeSelector", "RangeView", "TensorRange"]
 
@@ -116,15 +116,31 @@ class TensorRange(ObserverEngine):
 
     def observe(self, x_flat: torch.Tensor) -> Range:
         """Fold a batch `(1, *Q, G)` in and return the running range (in
-        `x_flat.dtype`)."""
+        `x_flat.dtype`).
+
+        Raises:
+            ValueError: nothing observed yet and this batch has no finite
+                value (`nan_policy="omit"` skips such a batch).
+        """
         self.dtype = x_flat.dtype
-        return _range(self._observe(x_flat))
+        stat = self._observe(x_flat) or self.statistic()
+        if stat is None:
+            raise ValueError(
+                f"observer {self.owner!r}: every value observed for tensor_id "
+                f"{self.tensor_id!r} was NaN or inf (nan_policy='omit' skipped "
+                "them all), so there is no range yet; observe finite values"
+            )
+        return _range(stat)
 
     def _prepare_batch(self, batch: Batch) -> Batch:
         low, high = batch.min_vals, batch.max_vals
         if self.select is not None:
             assert batch.x_flat is not None  # _needs_values
-            low, high = self.select(batch.x_flat, low, high)
+            # qparams without a finite value (nan_policy="omit") stay empty
+            empty = low > high
+            found = self.select(batch.x_flat, *range_or_zero(low, high))
+            low = torch.where(empty, low, found[0].to(low.dtype))
+            high = torch.where(empty, high, found[1].to(high.dtype))
         return replace(batch, min_vals=low.to(self.dtype), max_vals=high.to(self.dtype))
 
     def _shape_error(
@@ -139,8 +155,8 @@ class TensorRange(ObserverEngine):
     def _nonfinite_error(self, x_flat: torch.Tensor) -> Exception:
         return ValueError(
             f"observer {self.owner!r} got {count_nonfinite(x_flat)} non-finite "
-            "value(s) (NaN or inf); clean the input, or use quantobs.Observer "
-            "with nan_policy='omit'"
+            "value(s) (NaN or inf); clean the input, or pass nan_policy='omit' "
+            "to ignore them"
         )
 
     def extra_repr(self) -> str:
@@ -226,9 +242,9 @@ class RangeObserver(Observer, metaclass=ABCMeta):
         a state dict loads there) when new."""
         if tensor_id not in self.tensor_ids:
             self.tensor_ids.append(tensor_id)
-            self.ranges.append(
-                self._new_range(tensor_id).to(self._device_marker.device)
-            )
+            fresh = self._new_range(tensor_id).to(self._device_marker.device)
+            fresh.nan_policy = self.nan_policy  # the observer's, validated
+            self.ranges.append(fresh)
         child = self.ranges[self.tensor_ids.index(tensor_id)]
         assert isinstance(child, TensorRange)
         return child

@@ -45,7 +45,9 @@ per-channel specs and int2 / int3 / int16 / int32 MSE searches work.
 Deliberate differences from Quark 0.13 (each instead of a bug, or stricter):
 
 * NaN / inf inputs raise `ValueError` (Quark: NaN / inf scales), except in
-  `PerBlockBFPObserver`, which maps them to 0 as Quark does.
+  `PerBlockBFPObserver`, which maps them to 0 as Quark does; the keyword
+  `nan_policy` (`"raise"`, `"omit"`, `"propagate"`, as every face's) chooses
+  otherwise.
 * Exponents of MX `floor` / `ceil` scales and of BFP16 scales are exact;
   Quark floors a `log2` computed in the input's dtype, which rounds up for
   an amax just below a power of two: in bfloat16 a mantissa of 1.9921875

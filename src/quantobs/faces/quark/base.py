@@ -17,7 +17,10 @@ exactly, before the arithmetic. A dynamic spec (`is_dynamic`) keeps only the
 latest batch: the statistic restarts with each batch.
 
 NaN / inf inputs raise `ValueError` (Quark returns NaN or inf scales), except
-in `PerBlockBFPObserver`, which maps them to 0 as Quark does. Finite inputs
+in `PerBlockBFPObserver`, which maps them to 0 as Quark does. Every observer
+takes the keyword `nan_policy` (`"raise"`, `"omit"`, `"propagate"`, as
+`quantobs.Observer`; default `"raise"`, `"omit"` for `PerBlockBFPObserver`:
+the defaults keep the behaviour above). Finite inputs
 give finite positive scales: an asymmetric int range wider than its dtype
 holds (`max - min` past its max, e.g. `[-3e38, 3e38]` in float32 or `[-4e4,
 4e4]` in float16) is computed in float64 and its scale cast back (Quark:
@@ -50,6 +53,7 @@ from quantobs.faces.quark.spec import (
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Statistic
 from quantobs.stats.minmax import MinMax
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = [
     "FLOAT32_EPS",
@@ -76,10 +80,16 @@ class ObserverBase(ObserverEngine, abc.ABC):
     Args:
         qspec: a `QTensorConfig` (ours or Quark's; Quark's is converted).
         device: device of the statistics.
+        nan_policy: what NaN / inf inputs do (keyword only; Quark has no such
+            argument): `"raise"` (default) raises `ValueError`; `"omit"`
+            ignores them (a batch with no finite value is skipped);
+            `"propagate"` lets them reach the statistics, whose qparams then
+            raise `ValueError` (Quark returns NaN or inf scales). The table
+            is `quantobs.stats.reduce`'s.
 
     Raises:
         ValueError: the spec is invalid, or names a qscheme this observer
-            does not implement.
+            does not implement, or an unknown `nan_policy`.
     """
 
     qschemes: ClassVar[tuple[QSchemeType, ...]] = ()
@@ -104,8 +114,14 @@ class ObserverBase(ObserverEngine, abc.ABC):
                 f"it supports {valid}"
             )
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(nan_policy="raise")
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(nan_policy=nan_policy)
         spec = as_spec(qspec)
         type(self).check_spec(spec)
         if device is not None:
@@ -269,8 +285,10 @@ class UniformScalingObserver(ObserverBase):
         qspec: Any,
         device: torch.device | None = None,
         eps: float = FLOAT32_EPS,
+        *,
+        nan_policy: NanPolicy = "raise",
     ) -> None:
-        super().__init__(qspec, device)
+        super().__init__(qspec, device, nan_policy=nan_policy)
         spec = self.qspec
         self.symmetric = spec.symmetric
         self.scale_type = spec.scale_type

@@ -77,7 +77,7 @@ from quantobs.solvers.percentile import percentile_range, percentile_upper
 from quantobs.solvers.quark_histogram import mse_candidates, percentile_bounds
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.histogram import Histogram
-from quantobs.stats.reduce import minmax_omit_nonfinite
+from quantobs.stats.reduce import NanPolicy, minmax_omit_nonfinite
 
 __all__ = [
     "PerTensorHistogramObserver",
@@ -121,8 +121,14 @@ class PerTensorHistogramObserver(UniformScalingObserver):
     calib_hist: torch.Tensor
     calib_bin_edges: torch.Tensor
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
         self._num_bins = self._default_bins
         self.device = device
         self._register_empty(device)
@@ -209,7 +215,7 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         x = x_orig.detach()
         self.device = x.device
         self._observe_view(self._flatten(x), x)
-        if self._per_tensor:
+        if self._per_tensor and self.calib_hist.numel():  # 0: batch skipped
             self._num_bins = self.calib_hist.numel()
         return x_orig
 
@@ -288,8 +294,14 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
     _skip_zeros = True
     _default_bins = 4200
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
         self.percentile = 99.99999999
 
     def get_min_max_by_percentile(

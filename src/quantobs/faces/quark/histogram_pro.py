@@ -24,6 +24,7 @@ from quantobs.faces.quark.base import FLOAT32_EPS, UniformScalingObserver
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
 from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.base import Statistic
+from quantobs.stats.reduce import NanPolicy
 from quantobs.stats.torch_histogram import TorchHistogram
 
 __all__ = ["PerTensorHistogramObserverPro"]
@@ -85,8 +86,10 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         bins: int = 256,
         reduce_range: bool = False,
         upsample_rate: int = 384,
+        *,
+        nan_policy: NanPolicy = "raise",
     ) -> None:
-        super().__init__(qspec, device, FLOAT32_EPS)
+        super().__init__(qspec, device, FLOAT32_EPS, nan_policy=nan_policy)
         self.bins = bins
         self.reduce_range = reduce_range
         self.upsample_rate = upsample_rate

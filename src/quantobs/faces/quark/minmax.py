@@ -22,6 +22,7 @@ from quantobs.faces.quark.base import (
     per_channel_view,
 )
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = [
     "PerChannelMinMaxObserver",
@@ -50,8 +51,14 @@ class PlaceholderObserver(ObserverBase):
                 "(mx) or PerBlockBFPObserver (bfp16)"
             )
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x` unchanged."""
@@ -77,8 +84,14 @@ class PerTensorMinMaxObserver(UniformScalingObserver):
 
     qschemes = (QSchemeType.per_tensor,)
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         """Record the range of `x_orig` (any shape); return it unchanged."""
@@ -108,8 +121,10 @@ class PerChannelMinMaxObserver(UniformScalingObserver):
         qspec: Any,
         device: torch.device | None = None,
         eps: float = FLOAT32_EPS,
+        *,
+        nan_policy: NanPolicy = "raise",
     ) -> None:
-        super().__init__(qspec, device, eps)
+        super().__init__(qspec, device, eps, nan_policy=nan_policy)
         self.ch_axis = self.qspec.ch_axis
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
@@ -152,8 +167,10 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
         qspec: Any,
         device: torch.device | None = None,
         eps: float = FLOAT32_EPS,
+        *,
+        nan_policy: NanPolicy = "raise",
     ) -> None:
-        super().__init__(qspec, device, eps)
+        super().__init__(qspec, device, eps, nan_policy=nan_policy)
         self.ch_axis = int(self.qspec.ch_axis or 0)
         self.group_size = int(self.qspec.group_size or -1)
 

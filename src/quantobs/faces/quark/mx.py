@@ -35,6 +35,7 @@ from quantobs.faces.quark.spec import (
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.bfp import BfpAbsMax
 from quantobs.stats.minmax import AbsMax
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = ["PerBlockBFPObserver", "PerBlockMXObserver"]
 
@@ -54,8 +55,10 @@ class _BlockObserver(ObserverBase):
         qspec: Any,
         device: torch.device | None = None,
         eps: float = FLOAT32_EPS,
+        *,
+        nan_policy: NanPolicy = "raise",
     ) -> None:
-        super().__init__(qspec, device)
+        super().__init__(qspec, device, nan_policy=nan_policy)
         spec = self.qspec
         self.block_size = int(spec.group_size or 0)
         self.axis = int(spec.ch_axis or 0)
@@ -197,7 +200,9 @@ class PerBlockBFPObserver(_BlockObserver):
         device: device of the amax.
         eps: scale of all-zero blocks.
 
-    NaN and inf inputs count as 0 (Quark's rule for this observer).
+    NaN and inf inputs count as 0 (Quark's rule for this observer): its
+    `nan_policy` defaults to `"omit"` (the same amax); `"raise"` and
+    `"propagate"` are as for the other observers.
     """
 
     statistic_cls = _SaturatingBfpAbsMax
@@ -217,9 +222,12 @@ class PerBlockBFPObserver(_BlockObserver):
         qspec: Any,
         device: torch.device | None = None,
         eps: float = FLOAT32_EPS,
+        *,
+        nan_policy: NanPolicy = "omit",
     ) -> None:
-        super().__init__(qspec, device, eps)
-        self.nan_policy = "omit"  # Quark maps NaN / inf to 0: the same amax
+        # "omit" by default: Quark maps NaN / inf to 0, which gives the same
+        # amax as ignoring them
+        super().__init__(qspec, device, eps, nan_policy=nan_policy)
 
     def statistic_config(self) -> dict[str, Any]:
         return {"eps": self.eps, "model_dtype": self._model_dtype(torch.float32)}

@@ -35,6 +35,7 @@ from quantobs.faces.quark.minmax import (
     PerTensorMinMaxObserver,
 )
 from quantobs.faces.quark.spec import Dtype, QTensorConfig, element_format
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = [
     "PerChannelPowOf2MinMSEObserver",
@@ -149,8 +150,16 @@ class _LastBatchMixin:
     _pow2_candidate: Any
     register_buffer: Any
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)  # type: ignore[call-arg]
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            qspec, device, nan_policy=nan_policy
+        )
         self.register_buffer("original_tensor", None, persistent=False)
         self.pos_range = len(_SHIFTS)
 
@@ -188,8 +197,14 @@ class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
         super().check_spec(spec)
         _check_pow2_dtype(cls, spec)
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
         self._votes = []
 
     @property
@@ -240,8 +255,14 @@ class PerChannelPowOf2MinMaxObserver(_Pow2Mixin, PerChannelMinMaxObserver):
         super().check_spec(spec)
         _check_pow2_dtype(cls, spec)
 
-    def __init__(self, qspec: Any, device: torch.device | None = None) -> None:
-        super().__init__(qspec, device)
+    def __init__(
+        self,
+        qspec: Any,
+        device: torch.device | None = None,
+        *,
+        nan_policy: NanPolicy = "raise",
+    ) -> None:
+        super().__init__(qspec, device, nan_policy=nan_policy)
         self._votes = []
 
     @property

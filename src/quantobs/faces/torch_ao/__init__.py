@@ -39,7 +39,8 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 
 * `nan_policy="raise"` (default): a batch with NaN (min-max observers: NaN or
   inf) raises `ValueError`, instead of a NaN / inf scale or an opaque histc
-  error. `nan_policy="propagate"` restores torch's behaviour.
+  error. `nan_policy="omit"` ignores those values; `nan_policy="propagate"`
+  restores torch's behaviour.
 * Finite inputs near float32's limits give finite positive scales and
   in-range zero points (torch: inf / NaN scales, an int32 zero point that
   wraps to 0, an AssertionError once a moving average overflows), or a

@@ -20,10 +20,13 @@ policy, the update). What is the face's own:
   `InvalidObserverArgument`; shape and NaN errors in the face's types and
   words (`quantobs.faces.torch_ao.errors`).
 
-NaN policy (the engine's, two of its three policies)::
+NaN policy (the engine's, `quantobs.stats.reduce`'s table)::
 
     nan_policy   a batch with NaN (min-max observers: or +-inf)
     raise        ValueError naming the counts (default, beyond torch)
+    omit         those values ignored (beyond torch); a batch with no
+                 finite value is skipped, so an observer that saw nothing
+                 else still warns and returns torch's default qparams
     propagate    the values reach the statistic (torch.ao's behaviour)
 """
 
@@ -35,7 +38,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, get_args
 
 import torch
 
@@ -54,6 +57,7 @@ from quantobs.faces.torch_ao.errors import (
 from quantobs.faces.torch_ao.overflow import repair_qparams
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Statistic
+from quantobs.stats.reduce import NanPolicy
 
 __all__ = [
     "FLOAT32_EPS",
@@ -67,7 +71,6 @@ __all__ = [
     "tensor_view",
 ]
 
-NanPolicy = Literal["raise", "propagate"]
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
 #: torchao's copy of torch.ao's observer module: its PT2E flow
@@ -288,8 +291,9 @@ class UniformQuantizationObserverBase(ObserverBase):
         eps: smallest scale, kept as the `(1,)` buffer `eps`.
         is_dynamic: dynamic quantization marker.
         nan_policy: `"raise"` (default, beyond torch) raises `ValueError` on a
-            batch with NaN (min-max observers: or inf) values; `"propagate"`
-            is torch.ao's behaviour (module docstring).
+            batch with NaN (min-max observers: or inf) values; `"omit"`
+            ignores them; `"propagate"` is torch.ao's behaviour (module
+            docstring).
 
     Raises:
         InvalidObserverArgument: unknown qscheme or dtype, invalid custom
@@ -419,8 +423,8 @@ class UniformQuantizationObserverBase(ObserverBase):
         return ValueError(
             f"{type(self).__name__} got a batch with {kinds} value(s) among "
             f"{x_flat.numel()}; their range gives no usable scale. Clean the "
-            "input (e.g. torch.nan_to_num), or pass nan_policy='propagate' for "
-            "torch.ao's behaviour."
+            "input (e.g. torch.nan_to_num), pass nan_policy='omit' to ignore "
+            "them, or nan_policy='propagate' for torch.ao's behaviour."
         )
 
     def _check_merge(self, other: ObserverEngine) -> None:

@@ -28,6 +28,11 @@ Search (`search=`)::
               the level count of the real quantized range (torch always
               assumes 2**bits levels) and, for symmetric qschemes, scored with
               the symmetric quantizer the qparams will have
+
+The searched range is cached while the histogram and range buffers are
+unchanged (`quantobs.observers.solve_cache`): torch.ao's `convert` calls
+`calculate_qparams` again after calibration, and the global search costs
+tens of milliseconds; observing, loading a state dict or `reset` drops it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from quantobs.faces.torch_ao.base import (
 )
 from quantobs.faces.torch_ao.errors import InvalidObserverArgument
 from quantobs.faces.torch_ao.overflow import cast_range
+from quantobs.observers.solve_cache import SolveCache
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.base import Batch
@@ -147,6 +153,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 f"levels), got {dtype}; use MinMaxObserver for float8"
             ) from None
         self.upsample_rate = UPSAMPLE_RATE
+        self._solved = SolveCache()
         levels = self.quant_max - self.quant_min + 1
         if search == "global" and levels > _GLOBAL_MAX_LEVELS:
             raise ValueError(
@@ -225,19 +232,35 @@ class HistogramObserver(UniformQuantizationObserverBase):
             )
         lo, hi = self.min_val, self.max_val
         searchable = bool(torch.isfinite(hi - lo))
-        if searchable and self.search == "global":
-            lo, hi = self._global_search()
-        elif searchable:  # the search works on float32 state, as torch's buffers
-            lo, hi = torch_l2_search(
-                self.histogram.float(),
-                self.min_val.float(),
-                self.max_val.float(),
-                self.dst_nbins,
+        if searchable:
+            lo, hi = self._solved.get(
+                [self.histogram, self.min_val, self.max_val],
+                (
+                    self.search,
+                    self.dtype,
+                    self.qscheme,
+                    self.quant_min,
+                    self.quant_max,
+                    self.dst_nbins,
+                    self.has_customized_qrange,
+                ),
+                self._search,
             )
         if not (searchable and all_finite(lo, hi)):
             warnings.warn(self._unsearchable(), RuntimeWarning, stacklevel=2)
             lo, hi = self.min_val, self.max_val
         return self._calculate_qparams(lo, hi)
+
+    def _search(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.search == "global":
+            return self._global_search()
+        # the search works on float32 state, as torch's buffers
+        return torch_l2_search(
+            self.histogram.float(),
+            self.min_val.float(),
+            self.max_val.float(),
+            self.dst_nbins,
+        )
 
     def _unsearchable(self) -> str:
         return (
