@@ -1,5 +1,9 @@
 """Ranges to quantization parameters: the one place a range becomes a scale.
 
+(One concept, a little over 500 lines: the overflow and subnormal guards
+below are part of turning a range into a scale and have no other caller;
+split out they would be a module of one caller.)
+
 `calculate_qparams` and `generate_gparam` give compressed-tensors' numbers
 (0.19) on every preset, with these deliberate differences, each to avoid a
 non-finite or out-of-range result:

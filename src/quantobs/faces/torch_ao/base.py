@@ -1,5 +1,9 @@
 """Base classes of the torch.ao face and the `with_args` factories.
 
+(One concept, a little over 500 lines: torch.ao's base-class contract —
+constructor, attributes, state-dict versions, `calculate_qparams` with the
+overflow repair — which every observer of the face inherits whole.)
+
 `ObserverBase` and `UniformQuantizationObserverBase` are torch.ao's drop-in
 names and derive from the observer engine
 (`quantobs.observers.engine.ObserverEngine`): an observer's statistic lives
