@@ -104,6 +104,86 @@ def test_directory_without_safetensors(
     assert "no .safetensors file" in err
 
 
+def _corrupt(path: Path) -> None:
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+
+
+def _truncated(path: Path) -> None:
+    save_file({"a.weight": torch.randn(8, 128)}, str(path))
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+def _no_linear(path: Path) -> None:
+    tensors = {"model.norm.weight": torch.ones(8), "embed.weight": torch.randn(8, 8)}
+    save_file(tensors, str(path))
+
+
+def _int8_weight(path: Path) -> None:
+    save_file({"l.weight": torch.zeros(8, 128, dtype=torch.int8)}, str(path))
+
+
+def _fp8_weight(path: Path) -> None:
+    w = torch.randn(8, 128).to(torch.float8_e4m3fn)
+    save_file({"l.weight": w}, str(path))
+
+
+def _compressed_tensors(path: Path) -> None:
+    tensors = {
+        "l.weight_packed": torch.zeros(8, 16, dtype=torch.int32),
+        "l.weight_scale": torch.ones(8, 1),
+    }
+    save_file(tensors, str(path))
+
+
+def _gptq(path: Path) -> None:
+    save_file({"l.qweight": torch.zeros(16, 8, dtype=torch.int32)}, str(path))
+
+
+def _quantization_config(path: Path) -> None:
+    save_file({"l.weight": torch.randn(8, 128)}, str(path))
+    config = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    (path.parent / "config.json").write_text(json.dumps(config))
+
+
+def _unfitting(path: Path) -> None:
+    save_file({"l.weight": torch.randn(8, 100)}, str(path))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_corrupt, "is not a readable .safetensors file (Error while deserializing"),
+        (_truncated, "is not a readable .safetensors file"),
+        (_no_linear, "no linear weight in"),
+        (_int8_weight, "already quantized: 'l.weight' is stored as I8"),
+        (_fp8_weight, "already quantized: 'l.weight' is stored as F8_E4M3"),
+        (_compressed_tensors, "already quantized: it holds 'l.weight_"),
+        (_gptq, "already quantized: it holds 'l.qweight'"),
+        (_quantization_config, "has a quantization_config (compressed-tensors)"),
+        (_unfitting, "W4A16 can quantize none of the 1 linear weight(s)"),
+    ],
+    ids=lambda value: getattr(value, "__name__", "").strip("_") or None,
+)
+@pytest.mark.parametrize("output", ["table", "json", "csv"])
+def test_unmeasurable_checkpoint_is_one_line_and_exit_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: object,
+    message: str,
+    output: str,
+) -> None:
+    path = tmp_path / "model.safetensors"
+    make(path)  # type: ignore[operator]
+    code, out, err = run(
+        capsys, "weights", "--model", str(path), "--scheme", "W4A16", "--format", output
+    )
+    assert code == EXIT_USAGE
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("quantobs: error: ")
+    assert message in err
+    assert "Traceback" not in err and "nan" not in err.lower()
+
+
 def test_missing_default_model_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -23,6 +23,7 @@ from quantobs.cli.weights_report import (
     format_table,
     is_linear_weight,
     iter_linear_weights,
+    layer_error,
     max_abs_error,
     minmax_fake_quantize,
     sqnr_db,
@@ -144,6 +145,26 @@ def test_sqnr_db_known_values() -> None:
     assert sqnr_db(torch.zeros(3), torch.zeros(3)) == math.inf
     assert sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
     assert max_abs_error(x, x * 0.9) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A8", "FP8", "NVFP4"])
+def test_layer_error_equals_the_separate_definitions(scheme: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 256, generator=generator) * 0.05
+    w[3, 7] = 1.5  # an outlier: the max error and the SQNR move
+    args = quantobs.preset_scheme(scheme).weights
+    assert args is not None
+    w_q, _ = minmax_fake_quantize(w, args)
+    expected = (sqnr_db(w, w_q), max_abs_error(w, w_q))
+    sqnr, worst = layer_error(w, w_q.clone())
+    assert sqnr == pytest.approx(expected[0], rel=1e-6)
+    assert worst == expected[1]
+
+
+def test_layer_error_of_exact_and_of_zero_weights() -> None:
+    assert layer_error(torch.ones(2, 4), torch.ones(2, 4)) == (math.inf, 0.0)
+    assert layer_error(torch.zeros(2, 4), torch.full((2, 4), 0.5)) == (-math.inf, 0.5)
+    assert layer_error(torch.zeros(0, 4), torch.zeros(0, 4)) == (math.inf, 0.0)
 
 
 def test_int4_group_error_of_constant_magnitude_weight() -> None:
@@ -307,3 +328,26 @@ def test_matches_compressed_tensors_minmax(scheme: str) -> None:
     ours, _ = minmax_fake_quantize(w, our_args)
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=0)
     assert sqnr_db(w, ours) == pytest.approx(sqnr_db(w, theirs))
+
+
+@pytest.mark.parametrize(
+    "scheme", ["W4A16", "W8A8", "FP8", "NVFP4", "FP8_BLOCK", "MXFP4"]
+)
+def test_report_layer_in_row_chunks_equals_the_whole_tensor(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 300 rows in chunks of 2**12 // 256 = 16 rows (FP8_BLOCK: 128-row
+    # blocks, the last one partial): the chunked error is the whole one.
+    import quantobs.cli.weights_report as module
+
+    monkeypatch.setattr(module, "_CHUNK_ELEMS", 1 << 12)
+    generator = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 256, generator=generator) * 0.02
+    w[17, 3] = 0.9
+    args = quantobs.preset_scheme(scheme).weights
+    assert args is not None
+    w_q, scale = minmax_fake_quantize(w, args)
+    layer = module.report_layer("x.weight", w, args)
+    assert layer.scale_shape == tuple(scale.shape)
+    assert layer.sqnr_db == pytest.approx(sqnr_db(w, w_q), rel=1e-6)
+    assert layer.max_abs_error == max_abs_error(w, w_q)

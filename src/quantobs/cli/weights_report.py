@@ -13,7 +13,18 @@ Which tensors are linear weights (`is_linear_weight`): a name ending in
 a linear weight and is kept.
 
 Tensors are read one at a time (`safetensors.safe_open`), selected from their
-header, and the math is done in float32 whatever the stored dtype.
+header, and the math is done in float32 whatever the stored dtype. The next
+tensor is read on a second thread while the current one is quantized, and the
+error is two fused passes over `w - w_q` (`layer_error`), so a report costs
+about reading the file plus the fake quantization itself
+(`benchmarks/bench_weights_report.py`).
+
+A checkpoint the report cannot measure is refused with a `ValueError` that
+names the reason, before any math: a file safetensors cannot read, a
+checkpoint that is already quantized (`quantized_evidence`: compressed-
+tensors / GPTQ / AWQ / FP8 companion tensors, or `.weight` tensors stored as
+integers or 8-bit-or-narrower floats), one with no linear weight, and one
+whose linear weights the scheme can take none of.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import math
 import re
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +57,11 @@ __all__ = [
     "format_table",
     "is_linear_weight",
     "iter_linear_weights",
+    "layer_error",
     "max_abs_error",
     "minmax_fake_quantize",
+    "minmax_qparams",
+    "quantized_evidence",
     "report_layer",
     "sqnr_db",
     "summary_line",
@@ -56,6 +71,24 @@ __all__ = [
 
 # Lower-case name parts that mark a 2-D `.weight` as not a linear layer.
 EXCLUDED_NAME_PARTS: tuple[str, ...] = ("embed", "norm")
+
+# Name endings of the tensors a quantized checkpoint stores beside (or
+# instead of) a linear weight: compressed-tensors (`weight_scale`,
+# `weight_packed`, ...), DeepSeek-style FP8 (`weight_scale_inv`), GPTQ / AWQ
+# (`qweight`, `qzeros`, `scales`).
+_QUANTIZED_SUFFIXES: tuple[str, ...] = (
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".weight_packed",
+    ".weight_zero_point",
+    ".weight_global_scale",
+    ".weight_shape",
+    ".qweight",
+    ".qzeros",
+    ".scales",
+)
+# Header dtypes of floats too narrow to be an unquantized weight.
+_QUANTIZED_FLOAT_DTYPES: tuple[str, ...] = ("F8_", "F6_", "F4")
 
 
 @dataclass(frozen=True)
@@ -187,6 +220,67 @@ def _is_floating_dtype(safetensors_dtype: str) -> bool:
     return safetensors_dtype.startswith(("F", "BF"))
 
 
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not a readable .safetensors file ({error}); "
+        f"is it truncated or corrupt?"
+    )
+
+
+def _open(path: Path):  # type: ignore[no-untyped-def]
+    """`safe_open(path)`, with safetensors' own errors as a `ValueError`."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as error:  # safetensors comes with the `cli` extra
+        raise ImportError(
+            "reading checkpoints needs safetensors: pip install 'quantobs[cli]'"
+        ) from error
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def quantized_evidence(files: Sequence[Path]) -> str | None:
+    """Why the checkpoint looks already quantized, or None (headers only).
+
+    Evidence: a `quantization_config` in the `config.json` beside the files,
+    a tensor named like a quantized layer's companion (`*.weight_scale`,
+    `*.qweight`, ...), or a 2-D `.weight` stored as an integer or as a float
+    of 8 bits or fewer.
+
+    Raises:
+        ValueError: a file safetensors cannot read.
+    """
+    for directory in {path.parent for path in files}:
+        config = directory / "config.json"
+        try:
+            document = json.loads(config.read_text()) if config.is_file() else {}
+        except (OSError, ValueError):
+            document = {}
+        if isinstance(document, dict) and "quantization_config" in document:
+            method = document["quantization_config"]
+            if isinstance(method, dict):
+                method = method.get("quant_method", method.get("format", "?"))
+            return f"{config} has a quantization_config ({method})"
+    for path in files:
+        with _open(path) as handle:
+            names = handle.keys()
+            for name in names:
+                if name.endswith(_QUANTIZED_SUFFIXES):
+                    return f"it holds {name!r}"
+                if not name.endswith(".weight"):
+                    continue
+                header = handle.get_slice(name)
+                dtype = header.get_dtype()
+                narrow = dtype.startswith(_QUANTIZED_FLOAT_DTYPES)
+                if len(header.get_shape()) == 2 and (
+                    narrow or not _is_floating_dtype(dtype)
+                ):
+                    return f"{name!r} is stored as {dtype}"
+    return None
+
+
 def iter_linear_weights(
     files: Sequence[Path], limit: int | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,16 +290,15 @@ def iter_linear_weights(
         files: `.safetensors` files, read in order; names in each in natural
             order (`layer.2` before `layer.10`).
         limit: stop after this many linear weights (None: all).
+
+    Raises:
+        ValueError: a file safetensors cannot read (truncated, corrupt).
     """
-    try:
-        from safetensors import safe_open
-    except ImportError as error:  # safetensors comes with the `cli` extra
-        raise ImportError(
-            "reading checkpoints needs safetensors: pip install 'quantobs[cli]'"
-        ) from error
+    from safetensors import SafetensorError
+
     count = 0
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
+        with _open(path) as handle:
             for name in sorted(handle.keys(), key=_natural_key):
                 if limit is not None and count >= limit:
                     return
@@ -215,10 +308,47 @@ def iter_linear_weights(
                 ):
                     continue
                 count += 1
-                yield name, handle.get_tensor(name)
+                try:
+                    tensor = handle.get_tensor(name)
+                except (SafetensorError, OSError) as error:
+                    raise _unreadable(path, error) from error
+                yield name, tensor
 
 
 # ---------------------------------------------------------------- math
+
+
+def minmax_qparams(
+    w: torch.Tensor, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Min-max qparams of a weight under `args`.
+
+    Args:
+        w: `(rows, cols)` float32 weight.
+        args: weight quantization args.
+
+    Returns:
+        `(scale, zero_point, global_scale)`: `(*qparam_shape,)` scales and
+        zero points, and the `(1,)` global scale of `tensor_group` args
+        (else None).
+
+    Raises:
+        ValueError: the weight's shape does not fit `args` (e.g. a group size
+            that does not divide the columns).
+    """
+    x_flat = quantobs.flatten_for_calibration(w, "weight", args)
+    # x_flat: (1, *qparam_shape, group_size) -> ranges (*qparam_shape,)
+    min_vals = x_flat.amin(dim=(0, -1))
+    max_vals = x_flat.amax(dim=(0, -1))
+    global_scale = None
+    if args.strategy == "tensor_group":
+        global_scale = quantobs.generate_gparam(
+            min_vals.min().reshape(1), max_vals.max().reshape(1)
+        )
+    scale, zero_point = quantobs.calculate_qparams(
+        min_vals, max_vals, args, global_scale=global_scale
+    )
+    return scale, zero_point, global_scale
 
 
 def minmax_fake_quantize(
@@ -239,18 +369,7 @@ def minmax_fake_quantize(
             that does not divide the columns).
     """
     w = w.to(torch.float32)
-    x_flat = quantobs.flatten_for_calibration(w, "weight", args)
-    # x_flat: (1, *qparam_shape, group_size) -> ranges (*qparam_shape,)
-    min_vals = x_flat.amin(dim=(0, -1))
-    max_vals = x_flat.amax(dim=(0, -1))
-    global_scale = None
-    if args.strategy == "tensor_group":
-        global_scale = quantobs.generate_gparam(
-            min_vals.min().reshape(1), max_vals.max().reshape(1)
-        )
-    scale, zero_point = quantobs.calculate_qparams(
-        min_vals, max_vals, args, global_scale=global_scale
-    )
+    scale, zero_point, global_scale = minmax_qparams(w, args)
     w_q = quantobs.fake_quantize(w, scale, zero_point, args, global_scale=global_scale)
     return w_q, scale
 
@@ -278,21 +397,118 @@ def max_abs_error(x: torch.Tensor, x_q: torch.Tensor) -> float:
     return (x.to(torch.float32) - x_q.to(torch.float32)).abs().max().item()
 
 
+def _sum_of_squares(x: torch.Tensor) -> float:
+    # x: (rows, cols) float32. Per-row dot products (BLAS, float32 over one
+    # row), summed over rows in float64: within ~1e-7 relative of a float64
+    # sum, at a fraction of its cost (no float64 copy of the tensor).
+    rows = torch.einsum("ij,ij->i", x, x)  # (rows,)
+    return torch.sum(rows, dtype=torch.float64).item()
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def layer_error(w: torch.Tensor, w_q: torch.Tensor) -> tuple[float, float]:
+    """`(sqnr_db, max_abs_error)` of a fake-quantized 2-D weight, fused.
+
+    The same quantities as `sqnr_db` and `max_abs_error`, from two passes
+    over `w - w_q` (computed in place in `w_q`, which is consumed) and one
+    over `w`.
+
+    Args:
+        w: `(rows, cols)` float32 weight.
+        w_q: `(rows, cols)` float32 fake-quantized weight; overwritten.
+    """
+    if w.numel() == 0:
+        return math.inf, 0.0
+    error = w_q.sub_(w)  # (rows, cols)
+    low, high = torch.aminmax(error)
+    return _sqnr(_sum_of_squares(w), _sum_of_squares(error)), max(
+        -low.item(), high.item()
+    )
+
+
+# Elements of one row chunk (8 MB of float32): the temporaries of the fake
+# quantization stay small enough for the allocator to reuse them, instead of
+# fresh pages of a multi-hundred-MB tensor per step.
+_CHUNK_ELEMS = 1 << 21
+
+
+def _row_chunks(args: QuantizationArgs, rows: int, cols: int) -> Iterator[slice]:
+    """Row slices of about `_CHUNK_ELEMS` elements, whole blocks each."""
+    unit = args.block_structure[0] if args.block_structure else 1
+    step = max(1, _CHUNK_ELEMS // max(cols, 1) // unit) * unit
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
+
+
+def _qparam_rows(
+    t: torch.Tensor | None, args: QuantizationArgs, rows: slice, weight_rows: int
+) -> torch.Tensor | None:
+    """The qparams of the weight rows `rows` (`(*qparam_shape,)` sliced)."""
+    if t is None or args.strategy == "tensor":
+        return t
+    if args.strategy == "block" and args.block_structure:
+        unit = args.block_structure[0]
+        return t[rows.start // unit : -(-rows.stop // unit)]
+    assert t.shape[0] == weight_rows
+    return t[rows]
+
+
 def report_layer(name: str, w: torch.Tensor, args: QuantizationArgs) -> LayerReport:
-    """Quantize one weight; a shape the scheme cannot take is reported skipped."""
+    """Quantize one weight; a shape the scheme cannot take is reported skipped.
+
+    The qparams come from the whole weight; the fake quantization and its
+    error run over row chunks (`_row_chunks`), the same numbers as
+    `minmax_fake_quantize` + `layer_error` with less memory traffic.
+    """
     shape, dtype = tuple(w.shape), str(w.dtype)
+    w = w.to(torch.float32)
     try:
-        w_q, scale = minmax_fake_quantize(w, args)
+        scale, zero_point, global_scale = minmax_qparams(w, args)
     except ValueError as error:
         return LayerReport(name=name, shape=shape, dtype=dtype, skipped=str(error))
+    signal = noise = worst = 0.0
+    for rows in _row_chunks(args, *w.shape):
+        part = w[rows]
+        diff = quantobs.fake_quantize(
+            part,
+            _qparam_rows(scale, args, rows, w.shape[0]),  # type: ignore[arg-type]
+            _qparam_rows(zero_point, args, rows, w.shape[0]),
+            args,
+            global_scale=global_scale,
+        ).sub_(part)
+        low, high = torch.aminmax(diff)
+        worst = max(worst, -low.item(), high.item())
+        noise += _sum_of_squares(diff)
+        signal += _sum_of_squares(part)
     return LayerReport(
         name=name,
         shape=shape,
         dtype=dtype,
         scale_shape=tuple(scale.shape),
-        sqnr_db=sqnr_db(w, w_q),
-        max_abs_error=max_abs_error(w, w_q),
+        sqnr_db=math.inf if w.numel() == 0 else _sqnr(signal, noise),
+        max_abs_error=worst,
     )
+
+
+def _report_layers(
+    weights: Iterator[tuple[str, torch.Tensor]], args: QuantizationArgs
+) -> list[LayerReport]:
+    # Reads the next tensor on a second thread while this one is quantized
+    # (torch and safetensors release the GIL for the heavy work).
+    layers: list[LayerReport] = []
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(next, weights, None)
+        while (item := pending.result()) is not None:
+            pending = reader.submit(next, weights, None)
+            layers.append(report_layer(*item, args))
+    return layers
 
 
 def weights_report(
@@ -309,8 +525,11 @@ def weights_report(
 
     Raises:
         KeyError: unknown scheme (the message lists the presets).
-        ValueError: a scheme that does not quantize weights, a bad limit, or
-            a path that is not a `.safetensors` file.
+        ValueError: a scheme that does not quantize weights, a bad limit, a
+            path that is not a readable `.safetensors` file, a checkpoint
+            that is already quantized, one with no linear weight, or one
+            whose linear weights the scheme can take none of (module
+            docstring).
         FileNotFoundError: the model path does not exist or holds no file.
     """
     start = time.perf_counter()
@@ -327,10 +546,26 @@ def weights_report(
         files = find_safetensors(Path(model))
     else:
         files = [Path(path) for path in model]
-    layers = [
-        report_layer(name, w, weight_args)
-        for name, w in iter_linear_weights(files, limit)
-    ]
+    where = ", ".join(repr(str(path)) for path in files)
+    evidence = quantized_evidence(files)
+    if evidence is not None:
+        raise ValueError(
+            f"{where} is already quantized: {evidence}; `quantobs weights` "
+            f"measures the quantization error of unquantized floating-point "
+            f"weights, so pass the original checkpoint"
+        )
+    layers = _report_layers(iter_linear_weights(files, limit), weight_args)
+    if not layers:
+        raise ValueError(
+            f"no linear weight in {where}: no 2-D floating-point '.weight' "
+            f"tensor outside embeddings and norms"
+        )
+    if all(layer.skipped is not None for layer in layers):
+        raise ValueError(
+            f"scheme {scheme.strip().upper()} can quantize none of the "
+            f"{len(layers)} linear weight(s) of {where}; the first: "
+            f"{layers[0].name}: {layers[0].skipped}"
+        )
     return WeightsReport(
         model=", ".join(str(path) for path in files),
         scheme=scheme.strip().upper(),

@@ -171,10 +171,11 @@ class NumberFormat:
         a = y.abs().clamp_(max=self.max)  # saturate first: no carry past max
         split = float((1 << (_F32_MANTISSA_BITS - self.mantissa_bits)) + 1)
         c = a * split
-        normal = c - (c - a)
+        normal = c.sub_(c - a)  # c - (c - a), into c's buffer
         magic = self.min_subnormal * float(1 << _F32_MANTISSA_BITS)
-        subnormal = (a + magic) - magic
-        out = torch.where(a < self.min_normal, subnormal, normal)
+        tiny = a < self.min_normal
+        subnormal = a.add_(magic).sub_(magic)  # into a's buffer, a is done
+        out = torch.where(tiny, subnormal, normal, out=normal)
         return out.copysign_(y)
 
     def _round_generic(self, y: torch.Tensor) -> torch.Tensor:
