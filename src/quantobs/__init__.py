@@ -24,6 +24,7 @@ from quantobs.core.qparams import (
 )
 from quantobs.core.quantize import dequantize, fake_quantize, quantize
 from quantobs.observers import Observer
+from quantobs.observers.fit import ObjectiveFitWarning
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "ActivationOrdering",
     "DynamicType",
     "NumberFormat",
+    "ObjectiveFitWarning",
     "Observer",
     "QuantizationArgs",
     "QuantizationScheme",

@@ -195,6 +195,28 @@ def test_expand_past_float32_max_saturates(name: str) -> None:
     _check_qparams(observer, args, [x])
 
 
+@pytest.mark.parametrize("nan_policy", ["raise", "omit"])
+@pytest.mark.parametrize("name", [*sorted(Observer.registered_names())])
+def test_float64_values_past_float32_are_too_wide(name: str, nan_policy: str) -> None:
+    # Finite float64 values past float32's max overflow the float32
+    # statistics. Before: "got 0 non-finite value(s)" (raise), or an inf
+    # range and then "use nan_policy='omit'" (omit). Now: a clear refusal.
+    x = torch.tensor([[1e300, -1.0, 0.5, 2.0] * 8], dtype=torch.float64)
+    try:
+        observer = Observer.load_from_registry(
+            name,
+            base_name="weight",
+            args=QuantizationArgs(num_bits=8, strategy="channel"),
+            nan_policy=nan_policy,
+        )
+    except (TypeError, ValueError):
+        pytest.skip(f"{name} does not observe int8 channel weights alone")
+    with pytest.raises(ValueError, match="beyond the float32 range") as caught:
+        observer.update(x)
+    assert "too wide" in str(caught.value)
+    assert "non-finite" not in str(caught.value)
+
+
 # --------------------------------------------------- nan_policy="omit" (15)
 
 OMIT_NAMES = ["static_minmax", "memoryless_minmax", "minmax", "mse", "static_mse"]

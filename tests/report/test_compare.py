@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from quantobs.calibration import Recipe, attach, calibrate, text_batches
-from quantobs.report.compare import ROWS, Resolved, compare, resolve_row
+from quantobs.report.compare import ROWS, Resolved, compare, resolve_row, spec_text
 from quantobs.report.evaluate import HeldOut, evaluate, input_ranges
 from quantobs.report.results import Comparison
 from tests.tiny_bert import HELDOUT, TEXTS, write_tiny_bert
@@ -64,10 +64,56 @@ def test_named_rows() -> None:
     assert resolve_row("percentile", "NVFP4").input == "percentile"
 
 
-def test_histogram_family_keeps_minmax_on_per_channel_weights() -> None:
+def test_histogram_family_runs_at_every_granularity() -> None:
     for row in ("histogram", "percentile", "entropy"):
-        assert resolve_row(row, "W8A8") == Resolved("memoryless_minmax", None)
-        assert resolve_row(row, "FP8") == Resolved(row, row)  # per-tensor weights
+        assert resolve_row(row, "W8A8") == Resolved(row, None)  # per channel
+        assert resolve_row(row, "W4A16") == Resolved(row, None)  # per group
+        assert resolve_row(row, "FP8") == Resolved(row, row)  # per tensor
+
+
+def test_histogram_family_keeps_minmax_on_groups_of_16_and_32() -> None:
+    for row in ("histogram", "percentile", "entropy", "histogram_mse"):
+        # NVFP4's groups of 16: the inputs (global scale) still run the row
+        assert resolve_row(row, "NVFP4") == Resolved("memoryless_minmax", row)
+        assert resolve_row(row, "MXFP4") == Resolved("memoryless_minmax", None)
+
+
+def test_mse_option_rows() -> None:
+    refine = resolve_row("mse_refine", "W4A16")
+    assert refine == Resolved("memoryless_mse", None, (("search", "refine"),))
+    assert isinstance(refine, Resolved)
+    assert refine.weight_spec == ("memoryless_mse", {"search": "refine"})
+    assert spec_text(refine.weight_spec) == "memoryless_mse(search=refine)"
+    # the inputs keep the mse row's observer
+    assert resolve_row("mse_fine", "FP8") == Resolved(
+        "memoryless_mse", "mse", (("search", "fine"),)
+    )
+    discrete = resolve_row("mse_discrete", "NVFP4")
+    assert isinstance(discrete, Resolved)
+    assert discrete.weight_options == (("scale_search", "discrete"),)
+
+
+@pytest.mark.parametrize(
+    ("row", "scheme", "reason"),
+    [
+        ("mse_discrete", "W4A16", "NVFP4"),
+        ("mse_discrete", "FP8", "NVFP4"),
+        ("mse_independent", "W4A16", "asymmetric"),
+    ],
+)
+def test_mse_option_rows_skip_with_the_observers_reason(
+    row: str, scheme: str, reason: str
+) -> None:
+    refused = resolve_row(row, scheme)
+    assert isinstance(refused, str)
+    assert refused.startswith("memoryless_mse(")
+    assert reason in refused
+
+
+def test_mse_independent_runs_on_asymmetric_weights() -> None:
+    assert resolve_row("mse_independent", "W4A16_ASYM") == Resolved(
+        "memoryless_mse", None, (("independent_bounds", True),)
+    )
 
 
 def test_imatrix_needs_channels_or_groups() -> None:
@@ -242,3 +288,43 @@ def test_evaluation_is_compressed_tensors_forward(
     assert evaluate(calibrated, held_out).cosine_mean == pytest.approx(
         expected[0], abs=1e-12
     )
+
+
+def test_fit_warnings_become_the_cells_notes(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    import warnings
+
+    from rich.console import Console
+
+    from quantobs.report.render import footnotes, render_table, to_csv
+
+    model, tokenizer = tiny
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none escapes the cells
+        result = compare(
+            model,
+            tokenizer,
+            TEXTS,
+            HELDOUT,
+            schemes=["FP8", "W8A8"],
+            observers=["minmax", "entropy"],
+            ignore=IGNORE,
+            batch_size=3,
+            progress=False,
+        )
+    by = {(c.scheme, c.observer): c for c in result.cells}
+    (note,) = by[("FP8", "entropy")].notes
+    assert note.startswith("observer 'entropy' does not fit float8_e4m3fn: ")
+    assert by[("FP8", "minmax")].notes == ()
+    # int8 inputs (dynamic under W8A8) fit; int8 weights do not
+    (weights_note,) = by[("W8A8", "entropy")].notes
+    assert weights_note.startswith("observer 'entropy' does not fit weights: ")
+    assert by[("W8A8", "minmax")].notes == ()
+    assert footnotes(result, "FP8") == [note]
+    console = Console(record=True, width=400)
+    render_table(result, console)
+    text = console.export_text()
+    assert "entropy [1]" in text
+    assert f"[1] {note}" in text
+    assert note in to_csv(result)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import pytest
 
 from quantobs.report import plots
-from quantobs.report.document import REPORT_NAMES, write_report
+from quantobs.report.document import REPORT_NAMES, _md, write_report
 from quantobs.report.render import METRIC_DEFINITIONS, verdict
 from quantobs.report.results import Comparison, LayerHistogram
 from tests.report.test_render import make_comparison
@@ -281,3 +281,21 @@ def test_a_failing_write_raises_oserror_and_leaves_nothing(
         write_report(make_comparison(), tmp_path / "reports" / "out", format="markdown")
     assert [p.name for p in tmp_path.iterdir()] == ["reports"]  # the parent made
     assert list((tmp_path / "reports").iterdir()) == []
+
+
+@pytest.mark.parametrize("report_format", ["html", "markdown"])
+def test_report_shows_notes_as_footnotes(
+    report_format: Literal["html", "markdown"], tmp_path: Path
+) -> None:
+    comparison = make_comparison()
+    note = "observer 'entropy' does not fit float8_e4m3fn: <reason> & more"
+    cell = comparison.cells[1]
+    comparison.cells[1] = dataclasses.replace(cell, notes=(note,))
+    text = write_report(comparison, tmp_path / "out", format=report_format)
+    document = text.read_text(encoding="utf-8")
+    if report_format == "html":
+        assert f"<td>{cell.observer} [1]</td>" in document
+        assert f'<p class="skipped">[1] {html.escape(note)}</p>' in document
+    else:
+        assert f"\\[1\\] {_md(note)}" in document
+        assert f"| {_md(cell.observer)} \\[1\\] |" in document

@@ -29,10 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quantobs.cli.arguments import positive_int
 from quantobs.cli.inputs import (
-    POOLER_IGNORE,
     UsageError,
+    add_text_options,
     default_ignore,
     load_model,
     model_dir,
@@ -44,8 +43,6 @@ __all__ = ["add_parser", "run_calibrate", "shard"]
 
 _EXIT_OK = 0
 _EXIT_USAGE = 2
-_DEFAULT_BATCH_SIZE = 16
-_DEFAULT_MAX_LENGTH = 128
 _TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -94,44 +91,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         metavar="NAME",
         help="observer of the input activations (default: the scheme's)",
     )
-    parser.add_argument(
-        "--data",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="calibration texts: .txt (one per line) or .jsonl (a 'text' field "
-        "per line); default: quantobs' packaged corpus of 200 sentences",
-    )
-    parser.add_argument(
-        "--heldout",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="held-out texts the result is evaluated on, same formats as --data "
-        "(default: quantobs' packaged corpus of 100 sentences)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=_DEFAULT_BATCH_SIZE,
-        metavar="N",
-        help=f"texts per batch (default: {_DEFAULT_BATCH_SIZE})",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=positive_int,
-        default=_DEFAULT_MAX_LENGTH,
-        metavar="N",
-        help=f"tokens per text, truncated (default: {_DEFAULT_MAX_LENGTH})",
-    )
-    parser.add_argument(
-        "--ignore",
-        nargs="+",
-        default=None,
-        metavar="PATTERN",
-        help="module names or 're:' expressions left unquantized (default: "
-        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
-    )
+    add_text_options(parser, "the result is evaluated on")
     parser.add_argument(
         "--out",
         type=Path,

@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quantobs.cli.arguments import positive_int
 from quantobs.cli.inputs import (
-    POOLER_IGNORE,
     UsageError,
+    add_text_options,
     default_ignore,
     load_model,
     model_dir,
@@ -45,11 +44,11 @@ _PIPED_WIDTH = 150
 
 
 def _epilog() -> str:
-    from quantobs.report.compare import ROWS
+    from quantobs.report.compare import ROWS, spec_text
     from quantobs.report.render import METRIC_DEFINITIONS
 
     rows = "\n".join(
-        f"  {row:<11} weights: {weight}, static inputs: {inputs}"
+        f"  {row:<16} weights: {spec_text(weight)}, static inputs: {inputs}"
         for row, (weight, inputs) in ROWS.items()
     )
     metrics = "\n".join(
@@ -57,10 +56,11 @@ def _epilog() -> str:
     )
     return (
         f"observer rows:\n{rows}\n  any other registered observer name runs "
-        "that observer on both.\n  Histogram-family observers run on per-tensor "
-        "weights only (per-channel and\n  per-group weights keep "
-        "memoryless_minmax); imatrix needs per-channel or\n  per-group weights. "
-        "A row with the same observers as an earlier one is\n  skipped.\n\n"
+        "that observer on both.\n  imatrix needs per-channel or per-group "
+        "weights; mse_independent asymmetric\n  weights; mse_discrete NVFP4 or "
+        "MX weights. A row with the same observers\n  as an earlier one is "
+        "skipped. Warnings an observer gives (entropy or\n  percentile on a "
+        "float format) are footnotes [k] of its row.\n\n"
         f"metrics (held-out texts, quantized vs unquantized model):\n{metrics}"
     )
 
@@ -115,40 +115,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="the smaller default matrix (schemes and observers not given)",
     )
-    parser.add_argument(
-        "--data",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="calibration texts: .txt (one per line) or .jsonl (a 'text' field "
-        "per line); default: quantobs' packaged corpus of 200 sentences",
-    )
-    parser.add_argument(
-        "--heldout",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="held-out texts the metrics are computed on (at least 3), same "
-        "formats; default: quantobs' packaged corpus of 100 sentences",
-    )
-    parser.add_argument(
-        "--batch-size", type=positive_int, default=16, metavar="N", help="default 16"
-    )
-    parser.add_argument(
-        "--max-length",
-        type=positive_int,
-        default=128,
-        metavar="N",
-        help="tokens per text, truncated (default 128)",
-    )
-    parser.add_argument(
-        "--ignore",
-        nargs="+",
-        default=None,
-        metavar="PATTERN",
-        help="module names or 're:' expressions left unquantized (default: "
-        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
-    )
+    add_text_options(parser, "the metrics are computed on (at least 3)")
     parser.add_argument(
         "--format",
         choices=_FORMATS,

@@ -7,13 +7,17 @@ checked before any long work starts and before anything is written.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_LENGTH",
     "POOLER_IGNORE",
     "UsageError",
+    "add_text_options",
     "default_ignore",
     "load_model",
     "model_dir",
@@ -27,8 +31,63 @@ __all__ = [
 POOLER_IGNORE = "re:.*pooler.*"
 
 
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_LENGTH = 128
+
+
 class UsageError(Exception):
     """A problem with the options or inputs: printed, exit code 2."""
+
+
+def add_text_options(parser: argparse.ArgumentParser, heldout_use: str) -> None:
+    """Add the options both commands take for their texts and model:
+    `--data`, `--heldout`, `--batch-size`, `--max-length`, `--ignore`.
+
+    Args:
+        parser: the subcommand's parser.
+        heldout_use: what the held-out texts are for, e.g. "the metrics are
+            computed on (at least 3)".
+    """
+    from quantobs.cli.arguments import positive_int
+
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="calibration texts: .txt (one per line) or .jsonl (a 'text' field "
+        "per line); default: quantobs' packaged corpus of 200 sentences",
+    )
+    parser.add_argument(
+        "--heldout",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"held-out texts {heldout_use}, same formats as --data; default: "
+        "quantobs' packaged corpus of 100 sentences",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"texts per batch (default: {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=positive_int,
+        default=DEFAULT_MAX_LENGTH,
+        metavar="N",
+        help=f"tokens per text, truncated (default: {DEFAULT_MAX_LENGTH})",
+    )
+    parser.add_argument(
+        "--ignore",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="module names or 're:' expressions left unquantized (default: "
+        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
+    )
 
 
 def scheme_name(name: str) -> str:

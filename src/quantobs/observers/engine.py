@@ -253,6 +253,8 @@ class ObserverEngine(torch.nn.Module):
         if all_finite(batch.min_vals, batch.max_vals):
             return batch
         x_flat = values()
+        if x_flat.dtype == torch.float64 and count_nonfinite(x_flat) == 0:
+            raise self._float32_overflow_error(x_flat)  # finite, past float32
         if self.nan_policy == "raise":
             raise self._nonfinite_error(x_flat)
         low, high = minmax_omit_nonfinite(x_flat, exact_dtype=self.exact_dtype)
@@ -281,6 +283,15 @@ class ObserverEngine(torch.nn.Module):
             f"{self._describe()} got {count_nonfinite(x_flat)} non-finite "
             "value(s) (NaN or inf); fix the input or pass nan_policy='omit' to "
             "ignore them"
+        )
+
+    def _float32_overflow_error(self, x_flat: torch.Tensor) -> Exception:
+        beyond = x_flat[x_flat.abs() > torch.finfo(torch.float32).max]
+        return ValueError(
+            f"{self._describe()} got the float64 value {float(beyond[0]):g}, "
+            f"beyond the float32 range (+-{torch.finfo(torch.float32).max:g}) "
+            "of its statistics: the range is too wide to keep. Rescale the "
+            "input (e.g. by a power of two) or clip it to float32's range"
         )
 
     # ----------------------------------------------------------- merge, reset

@@ -20,6 +20,10 @@ name                histogram                      range
                                                    `|fq(x) - x|**norm`
 ==================  =============================  ===========================
 
+`entropy` and `percentile` warn (`quantobs.ObjectiveFitWarning`) on float
+formats, where their clipping objectives do not fit, and `entropy` on
+weights (`quantobs.observers.fit`).
+
 Per tensor and per channel / per group. Options are in
 `quantobs.observers.histogram_options`; their `"auto"` defaults keep
 per-tensor observers as they always were (2048 bins, the certified global
@@ -62,6 +66,7 @@ from typing import Any, ClassVar
 import torch
 
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.fit import warn_if_unfit
 from quantobs.observers.histogram_options import (
     EntropyOptions,
     HistogramL2Options,
@@ -112,6 +117,7 @@ class HistogramStatObserver(Observer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        warn_if_unfit(self.name, self.args, self.base_name, stacklevel=3)
         self._values_per_qparam: int | None = None  # G of the last batch
         self._known_bins: int | None = None  # bins of the last statistic held
         self._solved = SolveCache()

@@ -6,23 +6,40 @@ against the unquantized model (`quantobs.report.evaluate`). A row names
 what the user chooses; `resolve_row` turns it into the observers that run
 on the weights and on the static inputs under one scheme:
 
-==============  ====================  ======================================
-row             weights               static inputs
-==============  ====================  ======================================
-minmax          memoryless_minmax     static_minmax
-mse             memoryless_mse        mse (moving-average MSE)
-static_mse      memoryless_mse        static_mse
-histogram       histogram *           histogram
-percentile      percentile *          percentile
-entropy         entropy *             entropy
-imatrix         imatrix_mse **        static_minmax
-any other name  that observer *       that observer
-==============  ====================  ======================================
+==================  ==========================  ==========================
+row                 weights                     static inputs
+==================  ==========================  ==========================
+minmax              memoryless_minmax           static_minmax
+mse                 memoryless_mse              mse (moving-average MSE)
+mse_refine          memoryless_mse, search=     mse
+                    "refine"
+mse_fine            memoryless_mse, search=     mse
+                    "fine"
+mse_independent     memoryless_mse,             mse
+                    independent_bounds=True
+mse_discrete        memoryless_mse,             mse
+                    scale_search="discrete"
+static_mse          memoryless_mse              static_mse
+histogram           histogram *                 histogram
+percentile          percentile *                percentile
+entropy             entropy *                   entropy
+imatrix             imatrix_mse **              static_minmax
+any other name      that observer *             that observer
+==================  ==========================  ==========================
 
+The `mse_*` rows are llm-compressor's MSE search with one of quantobs'
+options turned on for the weights (`quantobs.observers.mse.MSEOptions`); the
+inputs keep the `mse` row's observer, so each differs from `mse` by the
+weight search alone. A row whose options the scheme's args cannot take
+(`independent_bounds` needs asymmetric weights, `scale_search="discrete"`
+NVFP4 or MX ones) is skipped with the reason the observer gives.
 \\* Histogram-family observers (histogram, histogram_mse, percentile,
-entropy) run on weights quantized per tensor; per-channel and per-group
-weights keep memoryless_minmax, since per-qparam histograms are not yet
-fast enough for whole models.
+entropy) run on weights per tensor, per channel and per group, with
+`"auto"` bins and batched searches, when each qparam holds at least
+`MIN_HISTOGRAM_VALUES` (64) weights. Smaller groups (NVFP4's 16, MX's 32)
+have no distribution to search, and tens of thousands of them cost seconds
+per cell for a range that is the group's min-max anyway: those weights keep
+memoryless_minmax (the inputs still run the row's observer).
 \\** imatrix weighs the weight error by the inputs' importance per channel:
 it needs per-channel or per-group weights, and the row is skipped for
 per-tensor weights.
@@ -30,13 +47,19 @@ per-tensor weights.
 A row whose observers are those of an earlier row under the scheme (e.g.
 `static_mse` and `mse` for W4A16, which quantizes no input) is not run
 again: it is listed as skipped with the reason.
+
+Warnings an observer gives while a cell calibrates (e.g.
+`quantobs.ObjectiveFitWarning`: entropy or percentile on a float format)
+are kept in the cell's `notes`, once each, and shown as footnotes.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,25 +68,30 @@ import torch
 from quantobs.calibration import Recipe, attach, calibrate, text_batches
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import preset_scheme
+from quantobs.observers.base import Observer
+from quantobs.observers.fit import ObjectiveFitWarning
 from quantobs.report.evaluate import HeldOut, embed, evaluate, input_ranges
 from quantobs.report.results import Cell, Comparison, LayerHistogram, Skipped
 
 __all__ = [
     "DEFAULT_OBSERVERS",
     "DEFAULT_SCHEMES",
-    "HISTOGRAM_FAMILY",
     "QUICK_OBSERVERS",
     "QUICK_SCHEMES",
     "ROWS",
+    "ObserverSpec",
     "Resolved",
     "compare",
     "resolve_row",
+    "spec_text",
 ]
 
 DEFAULT_SCHEMES = ("W8A8", "W4A16", "FP8", "NVFP4", "MXFP4")
 DEFAULT_OBSERVERS = (
     "minmax",
     "mse",
+    "mse_refine",
+    "mse_discrete",
     "static_mse",
     "histogram",
     "percentile",
@@ -73,10 +101,17 @@ DEFAULT_OBSERVERS = (
 QUICK_SCHEMES = ("W4A16", "FP8", "NVFP4")
 QUICK_OBSERVERS = ("minmax", "mse", "percentile", "imatrix")
 
+#: An observer of a row: its registered name, or `(name, options)`.
+ObserverSpec = str | tuple[str, dict[str, Any]]
+
 #: `{row: (weight observer, input observer)}` for the named rows.
-ROWS: dict[str, tuple[str, str]] = {
+ROWS: dict[str, tuple[ObserverSpec, str]] = {
     "minmax": ("memoryless_minmax", "static_minmax"),
     "mse": ("memoryless_mse", "mse"),
+    "mse_refine": (("memoryless_mse", {"search": "refine"}), "mse"),
+    "mse_fine": (("memoryless_mse", {"search": "fine"}), "mse"),
+    "mse_independent": (("memoryless_mse", {"independent_bounds": True}), "mse"),
+    "mse_discrete": (("memoryless_mse", {"scale_search": "discrete"}), "mse"),
     "static_mse": ("memoryless_mse", "static_mse"),
     "histogram": ("histogram", "histogram"),
     "percentile": ("percentile", "percentile"),
@@ -84,17 +119,46 @@ ROWS: dict[str, tuple[str, str]] = {
     "imatrix": ("imatrix_mse", "static_minmax"),
 }
 HISTOGRAM_FAMILY = frozenset({"histogram", "histogram_mse", "percentile", "entropy"})
+#: the fewest weights per qparam a histogram-family weight observer runs on
+MIN_HISTOGRAM_VALUES = 64
 _IMPORTANCE = frozenset({"imatrix_mse", "nvfp4_expanded_imatrix"})
 #: the bins of the worst layer's histogram plot
 _PLOT_BINS = 120
 
 
+def spec_text(spec: ObserverSpec) -> str:
+    """An observer as the report shows it: `"memoryless_mse"`, or with its
+    options, `"memoryless_mse(search=refine)"`."""
+    if isinstance(spec, str):
+        return spec
+    name, options = spec
+    shown = ", ".join(f"{key}={value}" for key, value in options.items())
+    return f"{name}({shown})"
+
+
 @dataclass(frozen=True)
 class Resolved:
-    """The observers a row runs under one scheme."""
+    """The observers a row runs under one scheme.
+
+    Attributes:
+        weight: the weight observer's registered name.
+        input: the static input observer's name; None when the scheme
+            quantizes no input statically.
+        weight_options: the weight observer's options, as sorted
+            `(key, value)` pairs (hashable: rows with equal observers and
+            options are the same).
+    """
 
     weight: str
-    input: str | None  # None: the scheme quantizes no input statically
+    input: str | None
+    weight_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def weight_spec(self) -> ObserverSpec:
+        """The weight observer for a `Recipe`: a name or `(name, options)`."""
+        if not self.weight_options:
+            return self.weight
+        return self.weight, dict(self.weight_options)
 
 
 def _static_inputs(scheme: str) -> QuantizationArgs | None:
@@ -102,18 +166,40 @@ def _static_inputs(scheme: str) -> QuantizationArgs | None:
     return None if args is None or args.dynamic is True else args
 
 
+def _refusal(name: str, options: dict[str, Any], args: QuantizationArgs) -> str | None:
+    """Why observer `name` with `options` cannot calibrate weights under
+    `args` (the observer's own `ValueError`), or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fit warnings come with the cell
+        try:
+            Observer.get_class(name)("weight", args, **options)
+        except ValueError as error:
+            return str(error).splitlines()[0]
+    return None
+
+
 def resolve_row(row: str, scheme: str) -> Resolved | str:
     """The observers of `row` under `scheme`, or the reason it does not apply."""
-    weight, inputs = ROWS.get(row, (row, row))
+    weight_spec, inputs = ROWS.get(row, (row, row))
+    name, options = (weight_spec, {}) if isinstance(weight_spec, str) else weight_spec
     weights = preset_scheme(scheme).weights
     if weights is None:
         return f"{scheme} quantizes no weights"
-    if weight in HISTOGRAM_FAMILY and weights.strategy != "tensor":
-        weight = ROWS["minmax"][0]
-    if weight in _IMPORTANCE and weights.strategy == "tensor":
-        return f"{weight} needs per-channel or per-group weights"
+    if name in _IMPORTANCE and weights.strategy == "tensor":
+        return f"{name} needs per-channel or per-group weights"
+    small_groups = weights.strategy in ("group", "tensor_group") and (
+        (weights.group_size or 0) < MIN_HISTOGRAM_VALUES
+    )
+    if name in HISTOGRAM_FAMILY and small_groups:
+        name, options = "memoryless_minmax", {}
+    if options and (refused := _refusal(name, options, weights)) is not None:
+        return f"{spec_text(weight_spec)}: {refused}"
     static = _static_inputs(scheme)
-    return Resolved(weight=weight, input=None if static is None else inputs)
+    return Resolved(
+        weight=name,
+        input=None if static is None else inputs,
+        weight_options=tuple(sorted(options.items())),
+    )
 
 
 @dataclass
@@ -154,6 +240,24 @@ def _progress(jobs: list[_Job], enabled: bool | None) -> Any:
     return tqdm(jobs, desc="compare", unit="cell", disable=not show, leave=False)
 
 
+@contextmanager
+def _observer_notes() -> Iterator[list[str]]:
+    """Collect the `ObjectiveFitWarning`s given inside, each message once,
+    in order; any other warning is given on as usual."""
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield notes
+    for record in caught:
+        message = str(record.message)
+        if not issubclass(record.category, ObjectiveFitWarning):
+            warnings.warn_explicit(
+                record.message, record.category, record.filename, record.lineno
+            )
+        elif message not in notes:
+            notes.append(message)
+
+
 def _run_cell(
     model: torch.nn.Module,
     job: _Job,
@@ -166,18 +270,19 @@ def _run_cell(
     recipe = Recipe.from_scheme(
         job.scheme,
         ignore=list(ignore),
-        weight_observer=job.resolved.weight,
+        weight_observer=job.resolved.weight_spec,
         input_observer=job.resolved.input,
     )
-    attach(copy_, recipe)
-    calibrate(copy_, calibration, progress=False)
+    with _observer_notes() as notes:
+        attach(copy_, recipe)
+        calibrate(copy_, calibration, progress=False)
     calibrated = time.perf_counter()
     evaluation = evaluate(copy_, held_out)
     ranges = input_ranges(copy_)
     return Cell(
         scheme=job.scheme,
         observer=job.row,
-        weight_observer=job.resolved.weight,
+        weight_observer=spec_text(job.resolved.weight_spec),
         input_observer=job.resolved.input,
         cosine_mean=evaluation.cosine_mean,
         cosine_worst=evaluation.cosine_worst,
@@ -188,6 +293,7 @@ def _run_cell(
         input_ranges=ranges,
         calibration_seconds=calibrated - start,
         evaluation_seconds=time.perf_counter() - calibrated,
+        notes=tuple(notes),
     )
 
 

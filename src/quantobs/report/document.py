@@ -44,6 +44,8 @@ from quantobs.report.render import (
     COLUMNS,
     METRIC_DEFINITIONS,
     best_cells,
+    footnotes,
+    note_marks,
     observers_run,
     scheme_order,
     verdict,
@@ -104,9 +106,11 @@ def _table_rows(comparison: Comparison, scheme: str) -> list[list[tuple[str, boo
     """`scheme`'s table as text: per cell, (text, is best) for the observer,
     the observers run and each of `COLUMNS`."""
     best = best_cells(comparison, scheme)
+    notes = footnotes(comparison, scheme)
     rows = []
     for cell in comparison.cells_of(scheme):
-        row = [(cell.observer, False), (observers_run(cell), False)]
+        label = cell.observer + note_marks(cell, notes)
+        row = [(label, False), (observers_run(cell), False)]
         row += [
             (column.text(cell), cell.observer in best[column.key]) for column in COLUMNS
         ]
@@ -161,6 +165,8 @@ def _html_scheme(comparison: Comparison, scheme: str) -> list[str]:
     if comparison.cells_of(scheme):
         lines += _html_table(comparison, scheme)
     lines.append(f'<p class="verdict">{_e(verdict(comparison, scheme))}</p>')
+    for number, note in enumerate(footnotes(comparison, scheme), start=1):
+        lines.append(f'<p class="skipped">[{number}] {_e(note)}</p>')
     for row in comparison.skipped:
         if row.scheme == scheme:
             lines.append(
@@ -258,6 +264,9 @@ def _md_scheme(comparison: Comparison, scheme: str) -> list[str]:
     if comparison.cells_of(scheme):
         lines += [*_md_table(comparison, scheme), ""]
     lines += [f"**{_md(verdict(comparison, scheme))}**", ""]
+    notes = footnotes(comparison, scheme)
+    lines += [f"{_md(f'[{k}]')} {_md(note)}" for k, note in enumerate(notes, 1)]
+    lines += [""] if notes else []
     skipped = [row for row in comparison.skipped if row.scheme == scheme]
     for row in skipped:
         lines.append(f"- skipped {_md(row.observer)}: {_md(row.reason)}")

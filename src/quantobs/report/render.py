@@ -45,7 +45,9 @@ __all__ = [
     "VERDICT_THRESHOLD",
     "Column",
     "best_cells",
+    "footnotes",
     "format_number",
+    "note_marks",
     "observers_run",
     "render_table",
     "scheme_order",
@@ -153,6 +155,7 @@ CSV_COLUMNS: tuple[str, ...] = (
     "mean_input_sqnr",
     "calibration_seconds",
     "evaluation_seconds",
+    "notes",
 )
 
 
@@ -172,6 +175,18 @@ def observers_run(cell: Cell) -> str:
     """The observers that actually ran, `"weights / inputs"` ("—": no
     static input observer)."""
     return f"{cell.weight_observer} / {cell.input_observer or '—'}"
+
+
+def footnotes(comparison: Comparison, scheme: str) -> list[str]:
+    """The distinct notes of `scheme`'s cells, in row order; footnote `k`
+    is `footnotes(...)[k - 1]`."""
+    found = [note for cell in comparison.cells_of(scheme) for note in cell.notes]
+    return list(dict.fromkeys(found))
+
+
+def note_marks(cell: Cell, notes: list[str]) -> str:
+    """The footnote marks after a cell's observer, e.g. `" [1]"` ("" if none)."""
+    return "".join(f" [{notes.index(note) + 1}]" for note in cell.notes)
 
 
 def scheme_order(comparison: Comparison) -> list[str]:
@@ -290,6 +305,7 @@ def verdict(comparison: Comparison, scheme: str) -> str:
 
 def _scheme_table(comparison: Comparison, scheme: str) -> Table:
     best = best_cells(comparison, scheme)
+    notes = footnotes(comparison, scheme)
     table = Table(title=scheme, title_justify="left", caption_justify="left")
     table.add_column("observer", no_wrap=True)
     table.add_column("weights / inputs", style="dim", no_wrap=True)
@@ -303,7 +319,8 @@ def _scheme_table(comparison: Comparison, scheme: str) -> Table:
             else:
                 # A space where the mark would be keeps the digits aligned.
                 numbers.append(Text(column.text(cell) + " "))
-        table.add_row(Text(cell.observer), Text(observers_run(cell)), *numbers)
+        label = cell.observer + note_marks(cell, notes)
+        table.add_row(Text(label), Text(observers_run(cell)), *numbers)
     return table
 
 
@@ -311,8 +328,9 @@ def render_table(comparison: Comparison, console: Console) -> None:
     """Print one table per scheme, its verdict and its skipped rows.
 
     Observers are the rows; the best value of each column is bold green
-    and followed by `*`. A scheme where no observer ran prints its title
-    and the verdict saying why.
+    and followed by `*`; `[k]` after an observer points to its k-th
+    footnote (a warning it gave, printed after the verdict). A scheme
+    where no observer ran prints its title and the verdict saying why.
 
     Args:
         comparison: the results.
@@ -326,6 +344,8 @@ def render_table(comparison: Comparison, console: Console) -> None:
         else:
             console.print(Text(scheme, style="italic"))
         console.print(Text(verdict(comparison, scheme)))
+        for number, note in enumerate(footnotes(comparison, scheme), start=1):
+            console.print(Text(f"  [{number}] {note}", style="dim"))
         for row in comparison.skipped:
             if row.scheme == scheme:
                 console.print(
@@ -342,11 +362,13 @@ def to_json(comparison: Comparison) -> str:
     return json.dumps(comparison.to_dict(), indent=2, allow_nan=False) + "\n"
 
 
-def _csv_field(value: str | float | None) -> str:
+def _csv_field(value: str | float | tuple[str, ...] | None) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
         return value
+    if isinstance(value, tuple):  # notes
+        return " | ".join(value)
     return repr(value)  # round-trips; "inf" for an exact tensor
 
 

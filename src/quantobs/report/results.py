@@ -55,6 +55,8 @@ class Cell:
         calibration_seconds: observing the calibration set and computing
             the qparams.
         evaluation_seconds: the held-out forward passes and metrics.
+        notes: the warnings the observers gave while calibrating (e.g.
+            `quantobs.ObjectiveFitWarning`), each message once.
     """
 
     scheme: str
@@ -70,6 +72,7 @@ class Cell:
     input_ranges: dict[str, tuple[float, float]]
     calibration_seconds: float
     evaluation_seconds: float
+    notes: tuple[str, ...] = ()
 
     @property
     def mean_weight_sqnr(self) -> float | None:

@@ -21,6 +21,8 @@ further (opt-in options of the MSE observers).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from quantobs.core.args import QuantizationArgs
@@ -35,8 +37,10 @@ from quantobs.solvers.mse_ties import LlmCompressorErrors, patience_stop
 from quantobs.stats.reduce import minmax
 
 __all__ = [
+    "GridSearch",
     "best_shrink",
     "candidate_errors",
+    "grid_search",
     "mse_search",
     "search_args",
     "shrink_factors",
@@ -75,6 +79,48 @@ def mse_search(
     Returns:
         `(min_vals, max_vals)`, each `(*Q,)` float32.
     """
+    found = grid_search(
+        x_flat, args, maxshrink=maxshrink, grid=grid, norm=norm,
+        patience=patience, expand=expand, chunk_elems=chunk_elems,
+        batch_range=batch_range, round_scales=round_scales,
+    )  # fmt: skip
+    best = found.best.reshape(found.min_vals.shape)
+    return found.min_vals * best, found.max_vals * best
+
+
+class GridSearch(NamedTuple):
+    """`grid_search`'s choice and the set-up the searches beyond it reuse:
+    `x3` the `(N, Q, G)` values, `scoring` the args (`search_args`),
+    `min_vals` / `max_vals` the `(*Q,)` observed range times `expand`,
+    `global_scale` NVFP4's (`round_scales`) or None, `best` the `(Q,)`
+    float32 factors (`best_shrink`)."""
+
+    x3: torch.Tensor
+    scoring: QuantizationArgs
+    min_vals: torch.Tensor
+    max_vals: torch.Tensor
+    global_scale: torch.Tensor | None
+    best: torch.Tensor
+
+
+def grid_search(
+    x_flat: torch.Tensor,
+    args: QuantizationArgs,
+    *,
+    maxshrink: float,
+    grid: float,
+    norm: float,
+    patience: int | None,
+    expand: float,
+    chunk_elems: int,
+    batch_range: tuple[torch.Tensor, torch.Tensor] | None,
+    round_scales: bool,
+) -> GridSearch:
+    """`mse_search`'s set-up and its choice on the shrink grid.
+
+    Shared by `mse_search` and the searches that start from its choice
+    (`quantobs.solvers.mse_refine`); the arguments are `mse_search`'s.
+    """
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
     min_vals, max_vals = min_vals * expand, max_vals * expand
     scoring = search_args(args, round_scales)
@@ -82,8 +128,9 @@ def mse_search(
     if round_scales and args.strategy == "tensor_group":
         global_scale = generate_gparam(min_vals.min(), max_vals.max())
     n, g = x_flat.shape[0], x_flat.shape[-1]
+    x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
     best = best_shrink(
-        x_flat.reshape(n, -1, g),
+        x3,
         scoring,
         min_vals.reshape(-1),
         max_vals.reshape(-1),
@@ -92,8 +139,8 @@ def mse_search(
         patience=patience,
         chunk_elems=chunk_elems,
         global_scale=global_scale,
-    ).reshape(min_vals.shape)
-    return min_vals * best, max_vals * best
+    )
+    return GridSearch(x3, scoring, min_vals, max_vals, global_scale, best)
 
 
 def best_shrink(

@@ -37,16 +37,13 @@ from typing import Literal
 import torch
 
 from quantobs.core.args import QuantizationArgs
-from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import (
     DEFAULT_CHUNK_ELEMS,
     candidate_qparams,
     score,
-    search_args,
     shrink_factors,
 )
-from quantobs.solvers.mse import best_shrink
-from quantobs.stats.reduce import minmax
+from quantobs.solvers.mse import grid_search
 
 __all__ = [
     "BOUND_ROUNDS",
@@ -222,22 +219,17 @@ def refined_mse_search(
     """
     if independent_bounds:
         check_independent_bounds(args)
-    min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
-    min_vals, max_vals = min_vals * expand, max_vals * expand
-    scoring = search_args(args, round_scales)
-    global_scale = None
-    if round_scales and args.strategy == "tensor_group":
-        global_scale = generate_gparam(min_vals.min(), max_vals.max())
-    n, g = x_flat.shape[0], x_flat.shape[-1]
-    x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
-    mins, maxs = min_vals.reshape(-1), max_vals.reshape(-1)
     # The incumbent: llm-compressor's choice on the grid.
-    p = best_shrink(
-        x3, scoring, mins, maxs, shrink_factors(maxshrink, grid),
-        norm=norm, patience=patience, chunk_elems=chunk_elems,
-        global_scale=global_scale,
-    )  # (Q,)  # fmt: skip
-    scorer = _Scorer(x3, scoring, mins, maxs, norm, chunk_elems, global_scale)
+    found = grid_search(
+        x_flat, args, maxshrink=maxshrink, grid=grid, norm=norm,
+        patience=patience, expand=expand, chunk_elems=chunk_elems,
+        batch_range=batch_range, round_scales=round_scales,
+    )  # fmt: skip
+    min_vals, max_vals, p = found.min_vals, found.max_vals, found.best  # p: (Q,)
+    mins, maxs = min_vals.reshape(-1), max_vals.reshape(-1)
+    scorer = _Scorer(
+        found.x3, found.scoring, mins, maxs, norm, chunk_elems, found.global_scale
+    )
     stages = _Search(scorer, search, maxshrink, grid)
     a, b = p, p.clone()
     if search != "grid":

@@ -123,7 +123,8 @@ def legacy_mse_range(
         per_group: the early stop runs per group (the `GROUPS_ID` range).
 
     Returns:
-        `(min_vals, max_vals)`, each `(*Q,)` float32; the first minimum wins.
+        `(min_vals, max_vals)`, each `(*Q,)` float32 (float64 for float64
+        ranges, whose ends may lie past float32's max); the first minimum wins.
     """
     factors = shrink_factors(options.maxshrink, options.grid).to(x_flat.device)
     min32, max32 = min_vals.float(), max_vals.float()
@@ -132,7 +133,11 @@ def legacy_mse_range(
     )  # (C, *Q)
     scored = _legacy_stop_mask(errors, options.patience, per_group)
     masked = torch.where(scored, errors, torch.full_like(errors, float("inf")))
-    best = factors[torch.argmin(masked, dim=0)]  # (*Q,)
+    index = torch.argmin(masked, dim=0)  # (*Q,)
+    if min_vals.dtype == torch.float64:  # ends past float32's max stay finite
+        best64 = 1 - index.double() / options.grid  # the legacy p, in float64
+        return min_vals * best64, max_vals * best64
+    best = factors[index]
     return min32 * best, max32 * best
 
 

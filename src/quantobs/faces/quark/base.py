@@ -137,6 +137,18 @@ class ObserverBase(ObserverEngine, abc.ABC):
         self._num_observed_tokens = 0
         self.quant_max_first_level: float | None = None
         self._input_dtype: torch.dtype | None = None
+        self._init_attributes()
+
+    def _init_attributes(self) -> None:
+        """Hook at the end of `ObserverBase.__init__`: a subclass's attributes.
+
+        A subclass that only adds attributes overrides this (calling
+        `super()._init_attributes()` first) instead of `__init__`, and so
+        keeps its parent's constructor: signature, defaults and `nan_policy`
+        handling. It runs before the `__init__` bodies of intermediate bases
+        (`UniformScalingObserver`'s buffers do not exist yet): it may use the
+        spec and the attributes set above, nothing more.
+        """
 
     @abc.abstractmethod
     def forward(self, x: torch.Tensor) -> Any:

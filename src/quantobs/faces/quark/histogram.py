@@ -294,14 +294,8 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
     _skip_zeros = True
     _default_bins = 4200
 
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(qspec, device, nan_policy=nan_policy)
+    def _init_attributes(self) -> None:
+        super()._init_attributes()
         self.percentile = 99.99999999
 
     def get_min_max_by_percentile(

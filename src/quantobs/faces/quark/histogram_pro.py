@@ -6,14 +6,19 @@ parts of the core do it: torch's histogram statistic
 (`quantobs.solvers.torch_l2`) and torch's qparams rule
 (`quantobs.core.qparams.torch_rule`), bit for bit.
 
-One difference: a batch that widens the range past float32's max (`max -
-min > 3.4e38`, e.g. `[-3e38, 3e38]`) raises `ValueError` and leaves the
-statistic as it was (torch's histogram then gives Quark NaN or inf scales).
+One difference, the policy of quantobs' torch.ao `HistogramObserver`: a
+range wider than float32's max (`max - min > 3.4e38`, e.g. `[-3e38, 3e38]`)
+leaves torch's float32 histogram without usable counts (torch and Quark: NaN
+or inf scales). Its qparams then cover the whole observed range, as a
+min-max observer's would, with a `RuntimeWarning` that says so; an affine
+scale or zero point that overflows float32 is computed in float64
+(`quantobs.faces.torch_ao.overflow`).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -22,14 +27,13 @@ import torch
 from quantobs.core.qparams.torch_rule import TorchAORule, torch_quant_range
 from quantobs.faces.quark.base import FLOAT32_EPS, UniformScalingObserver
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
+from quantobs.faces.torch_ao.overflow import repair_qparams, unsearchable_histogram
 from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.base import Statistic
 from quantobs.stats.reduce import NanPolicy
 from quantobs.stats.torch_histogram import TorchHistogram
 
 __all__ = ["PerTensorHistogramObserverPro"]
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class PerTensorHistogramObserverPro(UniformScalingObserver):
@@ -124,33 +128,30 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         """Add `x_orig` to torch's histogram; return it unchanged.
 
         Raises:
-            ValueError: NaN / inf values, or a range wider than float32's max.
+            ValueError: NaN / inf values (under `nan_policy="raise"`).
         """
         if x_orig.numel():
             x = x_orig.detach()
-            self._check_spread(x)
             self._observe_view(x.reshape(1, -1), x)
         return x_orig
-
-    def _check_spread(self, x: torch.Tensor) -> None:
-        """Raise `ValueError` before a batch widens the range past float32's
-        max: torch's histogram bins `max - min` in float32 (torch and Quark:
-        NaN or inf scales)."""
-        low, high = (float(v) for v in torch.aminmax(x.reshape(-1)))
-        low, high = min(low, float(self.min_val)), max(high, float(self.max_val))
-        if math.isfinite(high - low) and high - low > _F32_MAX:
-            raise ValueError(
-                f"{type(self).__name__}: the range [{low:.4g}, {high:.4g}] is too "
-                f"wide for torch's float32 histogram (max - min > {_F32_MAX:.4g}); "
-                "scale the input down, or use PerTensorMinMaxObserver or "
-                "PerTensorPercentileObserver, which take such ranges"
-            )
 
     def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's greedy L2 search and qparams, each `(1,)`."""
         low, high = self.min_val, self.max_val
-        if self.statistic() is not None:
+        if self.statistic() is None:
+            return self.torch_rule(low, high)  # torch's warning, (1, 0)
+        if bool(torch.isfinite(high.float() - low.float())):
             low, high = torch_l2_search(
                 self.histogram.float(), low.float(), high.float(), self.dst_nbins
             )
-        return self.torch_rule(low, high)  # unobserved: torch's warning, (1, 0)
+        else:  # the module docstring's one difference
+            owner = type(self).__name__
+            warnings.warn(
+                unsearchable_histogram(owner, float(low), float(high)),
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        scale, zero_point = self.torch_rule(low, high)
+        return repair_qparams(
+            self.torch_rule, low, high, scale, zero_point, type(self).__name__
+        )

@@ -16,7 +16,6 @@ import torch
 
 from quantobs.core.layout import group_view
 from quantobs.faces.quark.base import (
-    FLOAT32_EPS,
     ObserverBase,
     UniformScalingObserver,
     per_channel_view,
@@ -50,15 +49,6 @@ class PlaceholderObserver(ObserverBase):
                 f"{spec.dtype.value!r}; use a min-max observer, PerBlockMXObserver "
                 "(mx) or PerBlockBFPObserver (bfp16)"
             )
-
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(qspec, device, nan_policy=nan_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x` unchanged."""
@@ -116,15 +106,8 @@ class PerChannelMinMaxObserver(UniformScalingObserver):
 
     qschemes = (QSchemeType.per_channel,)
 
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        eps: float = FLOAT32_EPS,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(qspec, device, eps, nan_policy=nan_policy)
+    def _init_attributes(self) -> None:
+        super()._init_attributes()
         self.ch_axis = self.qspec.ch_axis
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
@@ -162,15 +145,8 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
 
     qschemes = (QSchemeType.per_group,)
 
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        eps: float = FLOAT32_EPS,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(qspec, device, eps, nan_policy=nan_policy)
+    def _init_attributes(self) -> None:
+        super()._init_attributes()
         self.ch_axis = int(self.qspec.ch_axis or 0)
         self.group_size = int(self.qspec.group_size or -1)
 

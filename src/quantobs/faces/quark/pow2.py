@@ -130,6 +130,10 @@ class _Pow2Mixin:
         self._votes.append(tuple(both.tolist()))
         return most_frequent(self._votes)
 
+    def _init_attributes(self) -> None:
+        super()._init_attributes()  # type: ignore[misc]
+        self._votes = []
+
     def get_extra_state(self) -> dict[str, Any]:
         """Base state plus the votes."""
         return {**super().get_extra_state(), "votes": list(self._votes)}  # type: ignore[misc]
@@ -150,16 +154,8 @@ class _LastBatchMixin:
     _pow2_candidate: Any
     register_buffer: Any
 
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(  # type: ignore[call-arg]
-            qspec, device, nan_policy=nan_policy
-        )
+    def _init_attributes(self) -> None:
+        super()._init_attributes()  # type: ignore[misc]
         self.register_buffer("original_tensor", None, persistent=False)
         self.pos_range = len(_SHIFTS)
 
@@ -196,16 +192,6 @@ class PerTensorPowOf2MinMaxObserver(_Pow2Mixin, PerTensorMinMaxObserver):
         """int8, uint8, int32 per tensor."""
         super().check_spec(spec)
         _check_pow2_dtype(cls, spec)
-
-    def __init__(
-        self,
-        qspec: Any,
-        device: torch.device | None = None,
-        *,
-        nan_policy: NanPolicy = "raise",
-    ) -> None:
-        super().__init__(qspec, device, nan_policy=nan_policy)
-        self._votes = []
 
     @property
     def record_scale(self) -> list[float]:
@@ -263,7 +249,6 @@ class PerChannelPowOf2MinMaxObserver(_Pow2Mixin, PerChannelMinMaxObserver):
         nan_policy: NanPolicy = "raise",
     ) -> None:
         super().__init__(qspec, device, nan_policy=nan_policy)
-        self._votes = []
 
     @property
     def record_scale_zp(self) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ from quantobs.faces.torch_ao.base import (
     tensor_view,
 )
 from quantobs.faces.torch_ao.errors import InvalidObserverArgument
-from quantobs.faces.torch_ao.overflow import cast_range
+from quantobs.faces.torch_ao.overflow import cast_range, unsearchable_histogram
 from quantobs.observers.solve_cache import SolveCache
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.torch_l2 import torch_l2_search
@@ -263,12 +263,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
         )
 
     def _unsearchable(self) -> str:
-        return (
-            f"{type(self).__name__}: the observed range [{float(self.min_val):g}, "
-            f"{float(self.max_val):g}] is wider than the float32 maximum, so "
-            "its histogram has no usable counts (torch.ao returns a NaN scale); "
-            "the qparams cover the whole observed range, as MinMaxObserver's "
-            "would. Rescale the input to search it."
+        return unsearchable_histogram(
+            type(self).__name__, float(self.min_val), float(self.max_val)
         )
 
     def _global_search(self) -> tuple[torch.Tensor, torch.Tensor]:

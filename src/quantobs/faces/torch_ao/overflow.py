@@ -31,7 +31,12 @@ from quantobs.core.qparams.torch_rule import SYMMETRIC_QSCHEMES, TorchAORule
 from quantobs.stats.base import Batch
 from quantobs.stats.minmax import MovingAverage
 
-__all__ = ["TorchMovingAverage", "cast_range", "repair_qparams"]
+__all__ = [
+    "TorchMovingAverage",
+    "cast_range",
+    "repair_qparams",
+    "unsearchable_histogram",
+]
 
 _INT32_MIN = -(2**31)
 
@@ -44,6 +49,20 @@ def _too_wide(
         f"wide for {rule.dtype} with quant_min={rule.quant_min}, quant_max="
         f"{rule.quant_max}: its scale exceeds the float32 maximum. Use a wider "
         "quantized range (quant_min / quant_max), or clip or rescale the input."
+    )
+
+
+def unsearchable_histogram(owner: str, low: float, high: float) -> str:
+    """The warning of a histogram observer whose range `[low, high]` is wider
+    than float32's max: torch's float32 histogram then has no usable counts
+    (torch: NaN scale), so the qparams cover the whole observed range. One
+    policy for every face wrapping torch's histogram (`HistogramObserver`,
+    Quark's `PerTensorHistogramObserverPro`)."""
+    return (
+        f"{owner}: the observed range [{low:g}, {high:g}] is wider than the "
+        "float32 maximum, so its histogram has no usable counts (torch.ao "
+        "returns a NaN scale); the qparams cover the whole observed range, as "
+        "MinMaxObserver's would. Rescale the input to search it."
     )
 
 
