@@ -157,6 +157,13 @@ def texts(data: Path | None, default: Sequence[str], what: str) -> list[str]:
 def load_model(directory: Path) -> tuple[Any, Any]:
     """`(model, tokenizer)` of `directory` with transformers' `AutoModel` and
     `AutoTokenizer`, offline; the model in eval mode."""
+    import logging as std_logging
+
+    # transformers imports torchao where it is installed (the `peers`
+    # extra): its CUDA extensions fail to load on a CPU build and torch's
+    # pytree warns about its enums, neither of which concerns this run.
+    for name in ("torchao", "torch.utils._pytree"):
+        std_logging.getLogger(name).setLevel(std_logging.ERROR)
     import transformers
     from transformers.utils import logging
 
