@@ -88,9 +88,12 @@ def best_pair(
 def make(name: str, args: QuantizationArgs, **options: Any) -> Observer | None:
     """The observer, or None where this quantobs lacks an option."""
     try:
-        return Observer.load_from_registry(
-            name, base_name="weight", args=args, **options
-        )
+        with warnings.catch_warnings():
+            # entropy on weights is measured on purpose (its fit warning)
+            warnings.simplefilter("ignore", UserWarning)
+            return Observer.load_from_registry(
+                name, base_name="weight", args=args, **options
+            )
     except ValueError:
         return None
 
