@@ -32,11 +32,8 @@ from pathlib import Path
 
 import torch
 
-from quantobs.cli.weights_report import (
-    find_safetensors,
-    iter_linear_weights,
-    weights_report,
-)
+from quantobs.cli.checkpoint_files import find_safetensors, iter_linear_weights
+from quantobs.cli.weights_report import weights_report
 
 #: one Llama-7B decoder layer: (name, rows, cols)
 LAYER = [

@@ -14,15 +14,19 @@ from safetensors.torch import save_file
 
 import quantobs
 import quantobs.cli.default_model as default_model
-from quantobs.cli.default_model import default_model_path
-from quantobs.cli.weights_report import (
-    CSV_COLUMNS,
+from quantobs.cli.checkpoint_files import (
     find_safetensors,
+    is_linear_weight,
+    iter_linear_weights,
+)
+from quantobs.cli.default_model import default_model_path
+from quantobs.cli.weights_output import (
+    CSV_COLUMNS,
     format_csv,
     format_json,
     format_table,
-    is_linear_weight,
-    iter_linear_weights,
+)
+from quantobs.cli.weights_report import (
     layer_error,
     max_abs_error,
     minmax_fake_quantize,

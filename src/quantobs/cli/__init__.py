@@ -108,12 +108,8 @@ def _error(message: str) -> int:
 
 def _run_weights(options: argparse.Namespace) -> int:
     from quantobs import PRESET_SCHEMES
-    from quantobs.cli.weights_report import (
-        format_csv,
-        format_json,
-        format_table,
-        weights_report,
-    )
+    from quantobs.cli.weights_output import format_csv, format_json, format_table
+    from quantobs.cli.weights_report import weights_report
 
     scheme = options.scheme.strip().upper()
     if scheme not in PRESET_SCHEMES:

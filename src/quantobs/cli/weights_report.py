@@ -1,22 +1,15 @@
 """`quantobs weights`: min-max weight quantization error of a checkpoint.
 
-For every linear weight of a `.safetensors` checkpoint: min-max qparams under
-a preset scheme's weight args, fake quantization, and the error it makes
-(SQNR in dB, max abs error). Pure functions; the CLI only parses arguments
-and prints.
+For every linear weight of a `.safetensors` checkpoint
+(`quantobs.cli.checkpoint_files`): min-max qparams under a preset scheme's
+weight args, fake quantization, and the error it makes (SQNR in dB, max abs
+error). Pure functions; the CLI only parses arguments and prints
+(`quantobs.cli.weights_output`).
 
-Which tensors are linear weights (`is_linear_weight`): a name ending in
-`.weight`, exactly 2 dims, a floating dtype, and a name that contains neither
-`embed` nor `norm` (case-insensitive; so embeddings, `embed_tokens`,
-`LayerNorm`, `input_layernorm`, `norm`... are left out). 1-D biases and norms,
-4-D convolutions and 3-D stacked experts are not linear weights. `lm_head` is
-a linear weight and is kept.
-
-Tensors are read one at a time (`safetensors.safe_open`), selected from their
-header, and the math is done in float32 whatever the stored dtype. The next
-tensor is read on a second thread while the current one is quantized, and the
-error is two fused passes over `w - w_q` (`layer_error`), so a report costs
-about reading the file plus the fake quantization itself
+The math is done in float32 whatever the stored dtype. The next tensor is
+read on a second thread while the current one is quantized, and the fake
+quantization and its error run over row chunks of `_CHUNK_ELEMS` elements,
+so a report costs about reading the file plus the fake quantization itself
 (`benchmarks/bench_weights_report.py`).
 
 A checkpoint the report cannot measure is refused with a `ValueError` that
@@ -29,11 +22,7 @@ whose linear weights the scheme can take none of.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
-import re
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,52 +32,24 @@ from pathlib import Path
 import torch
 
 import quantobs
+from quantobs.cli.checkpoint_files import (
+    find_safetensors,
+    iter_linear_weights,
+    quantized_evidence,
+)
 from quantobs.core.args import QuantizationArgs
 
 __all__ = [
-    "CSV_COLUMNS",
-    "EXCLUDED_NAME_PARTS",
-    "TABLE_COLUMNS",
     "LayerReport",
     "WeightsReport",
-    "find_safetensors",
-    "format_csv",
-    "format_json",
-    "format_table",
-    "is_linear_weight",
-    "iter_linear_weights",
     "layer_error",
     "max_abs_error",
     "minmax_fake_quantize",
     "minmax_qparams",
-    "quantized_evidence",
     "report_layer",
     "sqnr_db",
-    "summary_line",
-    "table_rows",
     "weights_report",
 ]
-
-# Lower-case name parts that mark a 2-D `.weight` as not a linear layer.
-EXCLUDED_NAME_PARTS: tuple[str, ...] = ("embed", "norm")
-
-# Name endings of the tensors a quantized checkpoint stores beside (or
-# instead of) a linear weight: compressed-tensors (`weight_scale`,
-# `weight_packed`, ...), DeepSeek-style FP8 (`weight_scale_inv`), GPTQ / AWQ
-# (`qweight`, `qzeros`, `scales`).
-_QUANTIZED_SUFFIXES: tuple[str, ...] = (
-    ".weight_scale",
-    ".weight_scale_inv",
-    ".weight_packed",
-    ".weight_zero_point",
-    ".weight_global_scale",
-    ".weight_shape",
-    ".qweight",
-    ".qzeros",
-    ".scales",
-)
-# Header dtypes of floats too narrow to be an unquantized weight.
-_QUANTIZED_FLOAT_DTYPES: tuple[str, ...] = ("F8_", "F6_", "F4")
 
 
 @dataclass(frozen=True)
@@ -165,154 +126,6 @@ class WeightsReport:
             "min_sqnr_db": min(sqnrs) if sqnrs else math.nan,
             "elapsed_s": self.elapsed_s,
         }
-
-
-# ---------------------------------------------------------------- selection
-
-
-def is_linear_weight(name: str, shape: Sequence[int], is_floating: bool) -> bool:
-    """Whether a checkpoint tensor is a linear layer's weight (module docstring).
-
-    Args:
-        name: tensor name, e.g. `encoder.layer.0.attention.self.query.weight`.
-        shape: tensor shape.
-        is_floating: whether the stored dtype is a floating-point one.
-    """
-    if not name.endswith(".weight") or len(shape) != 2 or not is_floating:
-        return False
-    lowered = name.lower()
-    return not any(part in lowered for part in EXCLUDED_NAME_PARTS)
-
-
-def _natural_key(text: str) -> list[int | str]:
-    # "layer.10" after "layer.2", and "model-00002-of-00010" after "00001".
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
-
-
-def find_safetensors(path: Path) -> list[Path]:
-    """The `.safetensors` files of a checkpoint: a file, or those in a directory.
-
-    Raises:
-        FileNotFoundError: the path does not exist, or the directory has no
-            `.safetensors` file (subdirectories are not searched).
-        ValueError: a file that is not a `.safetensors` file.
-    """
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"), key=lambda p: _natural_key(p.name))
-        if not files:
-            raise FileNotFoundError(
-                f"no .safetensors file in directory {str(path)!r}; pass a "
-                f".safetensors file or a directory that holds one"
-            )
-        return files
-    if path.suffix != ".safetensors":
-        raise ValueError(
-            f"model path {str(path)!r} is not a .safetensors file; pass a "
-            f".safetensors file or a directory that holds one"
-        )
-    return [path]
-
-
-def _is_floating_dtype(safetensors_dtype: str) -> bool:
-    # Header dtypes: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 F8_E8M0 F6_* F4 | I* U* BOOL C64
-    return safetensors_dtype.startswith(("F", "BF"))
-
-
-def _unreadable(path: Path, error: Exception) -> ValueError:
-    return ValueError(
-        f"{str(path)!r} is not a readable .safetensors file ({error}); "
-        f"is it truncated or corrupt?"
-    )
-
-
-def _open(path: Path):  # type: ignore[no-untyped-def]
-    """`safe_open(path)`, with safetensors' own errors as a `ValueError`."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError as error:  # safetensors comes with the `cli` extra
-        raise ImportError(
-            "reading checkpoints needs safetensors: pip install 'quantobs[cli]'"
-        ) from error
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as error:
-        raise _unreadable(path, error) from error
-
-
-def quantized_evidence(files: Sequence[Path]) -> str | None:
-    """Why the checkpoint looks already quantized, or None (headers only).
-
-    Evidence: a `quantization_config` in the `config.json` beside the files,
-    a tensor named like a quantized layer's companion (`*.weight_scale`,
-    `*.qweight`, ...), or a 2-D `.weight` stored as an integer or as a float
-    of 8 bits or fewer.
-
-    Raises:
-        ValueError: a file safetensors cannot read.
-    """
-    for directory in {path.parent for path in files}:
-        config = directory / "config.json"
-        try:
-            document = json.loads(config.read_text()) if config.is_file() else {}
-        except (OSError, ValueError):
-            document = {}
-        if isinstance(document, dict) and "quantization_config" in document:
-            method = document["quantization_config"]
-            if isinstance(method, dict):
-                method = method.get("quant_method", method.get("format", "?"))
-            return f"{config} has a quantization_config ({method})"
-    for path in files:
-        with _open(path) as handle:
-            names = handle.keys()
-            for name in names:
-                if name.endswith(_QUANTIZED_SUFFIXES):
-                    return f"it holds {name!r}"
-                if not name.endswith(".weight"):
-                    continue
-                header = handle.get_slice(name)
-                dtype = header.get_dtype()
-                narrow = dtype.startswith(_QUANTIZED_FLOAT_DTYPES)
-                if len(header.get_shape()) == 2 and (
-                    narrow or not _is_floating_dtype(dtype)
-                ):
-                    return f"{name!r} is stored as {dtype}"
-    return None
-
-
-def iter_linear_weights(
-    files: Sequence[Path], limit: int | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for the linear weights, reading one at a time.
-
-    Args:
-        files: `.safetensors` files, read in order; names in each in natural
-            order (`layer.2` before `layer.10`).
-        limit: stop after this many linear weights (None: all).
-
-    Raises:
-        ValueError: a file safetensors cannot read (truncated, corrupt).
-    """
-    from safetensors import SafetensorError
-
-    count = 0
-    for path in files:
-        with _open(path) as handle:
-            for name in sorted(handle.keys(), key=_natural_key):
-                if limit is not None and count >= limit:
-                    return
-                header = handle.get_slice(name)
-                if not is_linear_weight(
-                    name, header.get_shape(), _is_floating_dtype(header.get_dtype())
-                ):
-                    continue
-                count += 1
-                try:
-                    tensor = handle.get_tensor(name)
-                except (SafetensorError, OSError) as error:
-                    raise _unreadable(path, error) from error
-                yield name, tensor
 
 
 # ---------------------------------------------------------------- math
@@ -573,137 +386,3 @@ def weights_report(
         layers=layers,
         elapsed_s=time.perf_counter() - start,
     )
-
-
-# ---------------------------------------------------------------- output
-
-
-def _shape_text(shape: tuple[int, ...] | None) -> str:
-    return "-" if shape is None else "x".join(str(size) for size in shape)
-
-
-def _float_text(value: float | None, digits: int) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.{digits}f}" if digits >= 0 else f"{value:.3e}"
-
-
-def summary_line(report: WeightsReport) -> str:
-    """One line: layers, skipped, params, mean and min SQNR, elapsed seconds."""
-    summary = report.summary()
-    skipped = f", {summary['skipped']} skipped" if summary["skipped"] else ""
-    return (
-        f"{summary['layers']} layers{skipped}, {summary['params']:,} params, "
-        f"SQNR mean {_float_text(summary['mean_sqnr_db'], 2)} dB, "
-        f"min {_float_text(summary['min_sqnr_db'], 2)} dB, "
-        f"{summary['elapsed_s']:.2f} s"
-    )
-
-
-TABLE_COLUMNS: tuple[str, ...] = ("layer", "shape", "scale", "SQNR dB", "max |err|")
-
-
-def table_rows(report: WeightsReport) -> list[tuple[str, ...]]:
-    """The table's cells, one tuple per layer (`TABLE_COLUMNS`)."""
-    rows: list[tuple[str, ...]] = []
-    for layer in report.layers:
-        if layer.skipped is not None:
-            rows.append(
-                (layer.name, _shape_text(layer.shape), "-", "skipped", layer.skipped)
-            )
-        else:
-            rows.append(
-                (
-                    layer.name,
-                    _shape_text(layer.shape),
-                    _shape_text(layer.scale_shape),
-                    _float_text(layer.sqnr_db, 2),
-                    _float_text(layer.max_abs_error, -1),
-                )
-            )
-    return rows
-
-
-def format_table(report: WeightsReport) -> str:
-    """Plain aligned text: a header, one row per layer, a summary line."""
-    rows = [TABLE_COLUMNS, *table_rows(report)]
-    # Left-align text columns, right-align numbers; the skip reason (last
-    # cell of a skipped row) is free text and is not padded.
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS) - 1)]
-    lines = [f"model  {report.model}", f"scheme {report.scheme} (weights)", ""]
-    for row in rows:
-        cells = [
-            row[0].ljust(widths[0]),
-            row[1].rjust(widths[1]),
-            row[2].rjust(widths[2]),
-            row[3].rjust(widths[3]),
-            row[4],
-        ]
-        lines.append("  ".join(cells).rstrip())
-    lines += ["", summary_line(report)]
-    return "\n".join(lines) + "\n"
-
-
-def _json_float(value: float | int | None) -> float | int | str | None:
-    # JSON has no inf/nan: written as the strings "inf", "-inf", "nan".
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def format_json(report: WeightsReport) -> str:
-    """The report as a JSON document (non-finite numbers as strings)."""
-    document = {
-        "model": report.model,
-        "scheme": report.scheme,
-        "weight_args": report.args,
-        "layers": [
-            {
-                "name": layer.name,
-                "shape": list(layer.shape),
-                "dtype": layer.dtype,
-                "scale_shape": None
-                if layer.scale_shape is None
-                else list(layer.scale_shape),
-                "sqnr_db": _json_float(layer.sqnr_db),
-                "max_abs_error": _json_float(layer.max_abs_error),
-                "skipped": layer.skipped,
-            }
-            for layer in report.layers
-        ],
-        "summary": {key: _json_float(value) for key, value in report.summary().items()},
-    }
-    return json.dumps(document, indent=2, allow_nan=False) + "\n"
-
-
-CSV_COLUMNS: tuple[str, ...] = (
-    "name",
-    "shape",
-    "dtype",
-    "scale_shape",
-    "sqnr_db",
-    "max_abs_error",
-    "skipped",
-)
-
-
-def format_csv(report: WeightsReport) -> str:
-    """One CSV row per layer (`CSV_COLUMNS`); shapes as `rowsxcols`."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
-    for layer in report.layers:
-        writer.writerow(
-            (
-                layer.name,
-                _shape_text(layer.shape),
-                layer.dtype,
-                "" if layer.scale_shape is None else _shape_text(layer.scale_shape),
-                "" if layer.sqnr_db is None else repr(layer.sqnr_db),
-                "" if layer.max_abs_error is None else repr(layer.max_abs_error),
-                layer.skipped or "",
-            )
-        )
-    return buffer.getvalue()
