@@ -588,3 +588,14 @@ def test_a_failure_midway_removes_everything_written(
         save_compressed(model, out, overwrite=True)
     assert os.listdir(tmp_path) == ["checkpoint"]
     assert os.listdir(out) == ["old.txt"]
+
+
+def test_model_format_of_dense_groups_is_dense() -> None:
+    from quantobs.calibration.simulate import _model_format
+
+    assert _model_format({"group_0": "dense", "group_1": "dense"}) == "dense"
+    assert _model_format({}) == "dense"
+    assert _model_format({"a": "dense", "b": "float-quantized"}) == "float-quantized"
+    assert _model_format({"a": "int-quantized", "b": "float-quantized"}) == (
+        "mixed-precision"
+    )

@@ -356,3 +356,22 @@ def test_issue_16_example() -> None:
     scale, zero_point = observer.get_qparams()
     error = (fake_quantize(x, scale, zero_point, args) - x).abs()
     assert (error <= scale / 2).all()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"round_scales": True}, {"scale_search": "discrete"}],
+    ids=["grid", "round_scales", "discrete"],
+)
+def test_nvfp4_expanded_search_past_float32_saturates(options: dict[str, Any]) -> None:
+    # expand=100 on |x| ~ 1e37 passes float32's max. Before: the NVFP4 global
+    # scale of the searched range raised "amax is not finite ... drop
+    # non-finite inputs" on finite input (round_scales, discrete).
+    observer = Observer.load_from_registry(
+        "memoryless_mse", base_name="weight", args=_NVFP4, expand=100, **options
+    )
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)) * 1e37
+    scale, _ = observer(x)
+    global_scale = observer.get_global_scale(x)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert torch.isfinite(global_scale).all() and (global_scale > 0).all()

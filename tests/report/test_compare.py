@@ -328,3 +328,28 @@ def test_fit_warnings_become_the_cells_notes(
     assert "entropy [1]" in text
     assert f"[1] {note}" in text
     assert note in to_csv(result)
+
+
+def test_compare_runs_in_eval_mode_and_restores_train_mode(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    # A model given in train mode: no dropout in the reference or the cells
+    # (the metrics equal an eval-mode run), and its mode is given back.
+    model, tokenizer = tiny
+    kwargs: dict[str, object] = {
+        "schemes": ["W8A8"],
+        "observers": ["minmax"],
+        "ignore": IGNORE,
+        "batch_size": 3,
+        "progress": False,
+    }
+    evaluated = compare(model, tokenizer, TEXTS, HELDOUT, **kwargs)  # type: ignore[arg-type]
+    model.train()
+    try:
+        trained = compare(model, tokenizer, TEXTS, HELDOUT, **kwargs)  # type: ignore[arg-type]
+        assert model.training
+    finally:
+        model.eval()
+    (first,), (second,) = evaluated.cells, trained.cells
+    assert first.cosine_mean == second.cosine_mean
+    assert first.weight_sqnr == second.weight_sqnr

@@ -299,3 +299,13 @@ def test_report_shows_notes_as_footnotes(
     else:
         assert f"\\[1\\] {_md(note)}" in document
         assert f"| {_md(cell.observer)} \\[1\\] |" in document
+
+
+def test_observer_styles_stay_distinct_past_the_palette() -> None:
+    # tab10 repeats every 10 colours: the marker changes with each round, so
+    # an 11th observer row is not drawn like the first.
+    comparison = make_comparison()
+    comparison.observers = [f"row{i}" for i in range(25)]
+    styles = plots._observer_styles(comparison)
+    rows = [styles[f"row{i}"] for i in range(25)]
+    assert len(set(rows)) == 25

@@ -649,3 +649,39 @@ def test_l2_kernels_pair_torch_with_native_on_cpu() -> None:
     terms = torch_l2_terms.native("cpu")(hist, starts, ends, width, 256)
     assert terms is not None
     assert torch.equal(terms, torch_l2_terms.torch(hist, starts, ends, width, 256))
+
+
+def test_quark_asymmetric_percentile_keeps_the_top_past_2_to_24_counts() -> None:
+    # Float32 targets round 2**24 + 1 down and cut the top bin: the Quark bug
+    # the face avoids (its symmetric side always counted in float64).
+    from quantobs.solvers.quark_histogram import percentile_bounds
+
+    counts = torch.tensor([0, 2**24, 0, 1], dtype=torch.int64)
+    edges = torch.arange(5, dtype=torch.float32)
+    found = percentile_bounds(counts, edges, 100.0, symmetric=False)
+    assert found is not None
+    _, high = found
+    assert float(high) == 3.0  # float32 targets: 1.0, the top bin cut
+
+
+def test_entropy_rejects_bad_levels_and_candidates() -> None:
+    # Before: levels 0 crashed the interpreter in the native kernel (integer
+    # division by zero); a levels tensor of the wrong length left rows
+    # unsearched.
+    from quantobs.solvers.entropy import (
+        coarse_to_fine,
+        entropy_divergences,
+        entropy_search,
+    )
+
+    counts = torch.randint(0, 10, (3, 64), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="num_quantized_bins must be >= 1"):
+        entropy_divergences(counts, torch.full((3, 2), 8), 0)
+    with pytest.raises(ValueError, match=r"clip bins in \[1, 64\]"):
+        entropy_divergences(counts, torch.tensor([[0, 70]] * 3), 8)
+    with pytest.raises(ValueError, match=r"a \(3,\) tensor of ints"):
+        entropy_search(counts, torch.ones(3), torch.tensor([8, 8]))
+    with pytest.raises(ValueError, match=r"a \(3,\) tensor of ints"):
+        entropy_search(counts, torch.ones(3), torch.tensor([8.5, 8.0, 8.0]))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        coarse_to_fine(counts, torch.tensor([0, 8, 8]), 1, 1)

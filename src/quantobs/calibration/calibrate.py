@@ -39,7 +39,14 @@ from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.mse import StaticMSEObserver
 from quantobs.stats.candidate_errors import CandidateErrors
 
-__all__ = ["CalibrationReport", "calibrate", "sync", "text_batches", "write_qparams"]
+__all__ = [
+    "CalibrationReport",
+    "calibrate",
+    "sync",
+    "text_batches",
+    "to_model_device",
+    "write_qparams",
+]
 
 
 @dataclass
@@ -122,8 +129,14 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
+def to_model_device(batch: Any, model: torch.nn.Module) -> Any:
+    """`batch` (tensors, or mappings / lists / tuples of them) moved to the
+    device of `model`'s first parameter (CPU for a model without any)."""
+    return _to(batch, _device_of(model))
+
+
 def _forward(model: torch.nn.Module, batch: Any) -> None:
-    batch = _to(batch, _device_of(model))
+    batch = to_model_device(batch, model)
     if isinstance(batch, Mapping):
         model(**batch)
     elif isinstance(batch, list | tuple):

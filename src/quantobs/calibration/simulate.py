@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -99,13 +100,13 @@ def _fill_qparams(
             value = ours.get(name)
             where = f"{module_name}.{name}"
             if value is None:
-                if name.endswith("_zero_point"):
-                    continue  # symmetric: compressed-tensors' zeros, then dropped
+                if _symmetric_zero_point(scheme, name):
+                    continue  # compressed-tensors' zeros, then dropped
                 raise ValueError(
                     f"compressed-tensors expects {where}, which calibration did not "
                     "write; the recipe and the model's quantization disagree"
                 )
-            if value.numel() != param.numel():
+            if _squeezed(value.shape) != _squeezed(param.shape):
                 raise ValueError(
                     f"{where}: calibrated shape {list(value.shape)} is not "
                     f"compressed-tensors' {list(param.shape)}"
@@ -182,7 +183,29 @@ def _drop_symmetric_zero_points(model: torch.nn.Module) -> None:
 
 def _model_format(formats: Mapping[str, str]) -> str:
     stored = {f for f in formats.values() if f != _DENSE}
+    if not stored:
+        return _DENSE
     return stored.pop() if len(stored) == 1 else _MIXED
+
+
+def _squeezed(shape: torch.Size) -> list[int]:
+    """A qparam shape without its size-1 dims (`(C, 1)` and `(C,)` agree)."""
+    return [size for size in shape if size != 1]
+
+
+def _symmetric_zero_point(scheme: Any, name: str) -> bool:
+    """Whether `name` is a zero point that symmetric args leave at zero
+    (attention states' `q/k/v_zero_point`: their args' symmetry decides in
+    `_drop_symmetric_zero_points`)."""
+    if not name.endswith("_zero_point"):
+        return False
+    part = {
+        "weight": "weights",
+        "input": "input_activations",
+        "output": "output_activations",
+    }.get(name.removesuffix("_zero_point"))
+    args = getattr(scheme, part, None) if part else None
+    return args is None or bool(args.symmetric)
 
 
 def compressed_tensors_copy(

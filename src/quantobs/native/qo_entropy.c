@@ -76,6 +76,7 @@ static double *log_table(int64_t size) {
 void qo_entropy(const double *h, int64_t q, int64_t bins, const int64_t *cands,
                 int64_t cand_stride, int64_t count, int64_t levels, int64_t masses,
                 double *out, int threads) {
+    if (levels < 1) return; /* no level: the caller sees NaN (native.entropy) */
     int64_t size = (bins + 1 > masses ? bins + 1 : masses);
     double *log_count = log_table(size);
     if (!log_count) return; /* the caller checks for NaN: see native.entropy */
@@ -137,9 +138,12 @@ int64_t qo_entropy_search(const int64_t *counts, int64_t q, int64_t bins,
                           const int64_t *levels, int64_t start_bin, int64_t stride,
                           int64_t coarse, int64_t keep, int64_t reach, int64_t masses,
                           int64_t *best, int threads) {
-    if (keep < 1 || keep > QO_KEEP_MAX || coarse < 2 || coarse > QO_CANDS_MAX ||
-        keep * (2 * reach + 1) > QO_CANDS_MAX || start_bin < 1 || stride < 1)
+    if (keep < 1 || keep > QO_KEEP_MAX || keep > coarse || coarse < 2 ||
+        coarse > QO_CANDS_MAX || reach < 1 || keep * (2 * reach + 1) > QO_CANDS_MAX ||
+        start_bin < 1 || stride < 1)
         return 1;
+    for (int64_t r = 0; r < q; ++r)
+        if (levels[r] < 1) return 1;
     int64_t size = (bins + 1 > masses ? bins + 1 : masses);
     double *log_count = log_table(size);
     int64_t per = 4 * (bins + 1);

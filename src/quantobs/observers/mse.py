@@ -200,7 +200,7 @@ class _SearchingObserver(Observer):
         if fixed_global and self._tracks_global():
             # The search used the global scale of the observed range.
             found = absmax_or_zero(observed[0] * opts.expand, observed[1] * opts.expand)
-            absmax = float(found)
+            absmax = min(float(found), torch.finfo(torch.float32).max)  # saturate
         return replace(batch, min_vals=low, max_vals=high, absmax=absmax)
 
 

@@ -240,22 +240,33 @@ def _progress(jobs: list[_Job], enabled: bool | None) -> Any:
     return tqdm(jobs, desc="compare", unit="cell", disable=not show, leave=False)
 
 
+#: the registry of the warnings `_observer_notes` gives on (shown once each)
+_GIVEN_ON: dict[Any, Any] = {}
+
+
 @contextmanager
 def _observer_notes() -> Iterator[list[str]]:
     """Collect the `ObjectiveFitWarning`s given inside, each message once,
-    in order; any other warning is given on as usual."""
+    in order; any other warning is given on, once per message and place, also
+    when the body raises."""
     notes: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield notes
-    for record in caught:
-        message = str(record.message)
-        if not issubclass(record.category, ObjectiveFitWarning):
-            warnings.warn_explicit(
-                record.message, record.category, record.filename, record.lineno
-            )
-        elif message not in notes:
-            notes.append(message)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield notes
+    finally:
+        for record in caught:
+            message = str(record.message)
+            if not issubclass(record.category, ObjectiveFitWarning):
+                warnings.warn_explicit(
+                    record.message,
+                    record.category,
+                    record.filename,
+                    record.lineno,
+                    registry=_GIVEN_ON,
+                )
+            elif message not in notes:
+                notes.append(message)
 
 
 def _run_cell(
@@ -265,7 +276,7 @@ def _run_cell(
     calibration: Sequence[dict[str, Any]],
     held_out: HeldOut,
 ) -> Cell:
-    copy_ = copy.deepcopy(model)
+    cell_model = copy.deepcopy(model)
     start = time.perf_counter()
     recipe = Recipe.from_scheme(
         job.scheme,
@@ -274,11 +285,11 @@ def _run_cell(
         input_observer=job.resolved.input,
     )
     with _observer_notes() as notes:
-        attach(copy_, recipe)
-        calibrate(copy_, calibration, progress=False)
+        attach(cell_model, recipe)
+        calibrate(cell_model, calibration, progress=False)
     calibrated = time.perf_counter()
-    evaluation = evaluate(copy_, held_out)
-    ranges = input_ranges(copy_)
+    evaluation = evaluate(cell_model, held_out)
+    ranges = input_ranges(cell_model)
     return Cell(
         scheme=job.scheme,
         observer=job.row,
@@ -370,6 +381,8 @@ def compare(
     """Calibrate and evaluate `model` under each scheme x observer row.
 
     The model itself is never modified: each cell calibrates a deep copy.
+    Everything runs in eval mode (no dropout in the reference or the
+    cells); a model given in train mode is put back in it at the end.
 
     Args:
         model: an unquantized transformers base model (`AutoModel`).
@@ -393,6 +406,42 @@ def compare(
         ValueError: fewer than 3 held-out texts, no texts, or a scheme the
             model's layers cannot take (from `attach`, naming the layers).
     """
+    training = model.training
+    model.eval()
+    try:
+        return _compare(
+            model,
+            tokenizer,
+            calibration_texts,
+            heldout_texts,
+            schemes=schemes,
+            observers=observers,
+            ignore=ignore,
+            batch_size=batch_size,
+            max_length=max_length,
+            model_name=model_name,
+            progress=progress,
+            on_cell=on_cell,
+        )
+    finally:
+        model.train(training)
+
+
+def _compare(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    calibration_texts: Sequence[str],
+    heldout_texts: Sequence[str],
+    *,
+    schemes: Sequence[str],
+    observers: Sequence[str],
+    ignore: Sequence[str],
+    batch_size: int,
+    max_length: int,
+    model_name: str,
+    progress: bool | None,
+    on_cell: Callable[[Cell], None] | None,
+) -> Comparison:
     start = time.perf_counter()
     calibration = text_batches(
         tokenizer, calibration_texts, batch_size=batch_size, max_length=max_length

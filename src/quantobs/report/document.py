@@ -377,8 +377,11 @@ def write_report(
         ValueError: on an unknown `format`.
         FileExistsError: `out_dir` is a file, or a non-empty directory
             without `overwrite`.
-        OSError: when the directory cannot be created or written; nothing
-            is left behind.
+        OSError: when the directory cannot be created or written. The
+            report is staged beside `out_dir` and removed on failure, so a
+            new `out_dir` is never half-written; parent directories it had
+            to create stay, and when replacing an existing report file by
+            file, the document moves last, after its figures.
     """
     if format not in _RENDERERS:
         raise ValueError(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import attachment_of
+from quantobs.calibration.calibrate import to_model_device
 from quantobs.calibration.simulate import compressed_tensors_copy
 from quantobs.report.metrics import (
     cosine_to_reference,
@@ -55,6 +56,7 @@ def embed(model: torch.nn.Module, batches: Sequence[dict[str, Any]]) -> torch.Te
     pooled = []
     with torch.no_grad():
         for batch in batches:
+            batch = to_model_device(batch, model)
             hidden = _last_hidden(model(**batch))  # (B, S, H)
             mask = batch["attention_mask"].to(hidden.device)  # (B, S)
             pooled.append(mean_pool(hidden, mask).cpu())  # (B, H)

@@ -81,7 +81,12 @@ def _observer_styles(comparison: Comparison) -> dict[str, tuple[_Colour, str]]:
     ]
     palette = matplotlib.colormaps["tab10"]
     return {
-        name: (palette(index % palette.N), _MARKERS[index % len(_MARKERS)])
+        # the marker changes with each round of the palette: no two of the
+        # first palette.N * len(_MARKERS) rows look alike
+        name: (
+            palette(index % palette.N),
+            _MARKERS[(index + index // palette.N) % len(_MARKERS)],
+        )
         for index, name in enumerate(dict.fromkeys(names))
     }
 

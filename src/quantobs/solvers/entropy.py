@@ -249,9 +249,25 @@ def entropy_divergences(
     Returns:
         `(Q, C)` float64 divergences (`+inf` for impossible candidates).
     """
+    _check_levels(torch.as_tensor(num_quantized_bins), 1, num_quantized_bins)
+    bins = counts.shape[-1]
+    if cands.numel() and (int(cands.min()) < 1 or int(cands.max()) > bins):
+        raise ValueError(f"cands must be clip bins in [1, {bins}]")
     h, _ = _prepared(counts)
     c_step = max(1, _CHUNK_ELEMS // (h.shape[0] * (num_quantized_bins + 1)))
     return _candidate_divergences(h, cands, num_quantized_bins, c_step)
+
+
+def _check_levels(levels: torch.Tensor, num_q: int, given: object) -> None:
+    """Raise `ValueError` unless `levels` holds one or `num_q` ints >= 1."""
+    integral = not levels.is_floating_point() or bool((levels == levels.round()).all())
+    if levels.numel() not in (1, num_q) or not integral:
+        raise ValueError(
+            f"num_quantized_bins must be an int or a ({num_q},) tensor of ints, "
+            f"got {given!r}"
+        )
+    if bool((levels < 1).any()):
+        raise ValueError(f"num_quantized_bins must be >= 1, got {given!r}")
 
 
 def _exhaustive(
@@ -304,6 +320,7 @@ def coarse_to_fine(
     KL, the larger candidate among ties. A kernel: the native pass
     (registered for "cpu") runs each row to the end in one loop.
     """
+    _check_levels(levels, counts.shape[0], levels)
     h, stop = _prepared(counts)
     num_q, bins = h.shape
     device = h.device
@@ -418,9 +435,8 @@ def entropy_search(
     num_q = rows.shape[0]
     device = rows.device
     levels = torch.as_tensor(num_quantized_bins, device=device).reshape(-1)
+    _check_levels(levels, num_q, num_quantized_bins)
     levels = levels.expand(num_q) if levels.numel() == 1 else levels
-    if bool((levels < 1).any()):
-        raise ValueError(f"num_quantized_bins must be >= 1, got {num_quantized_bins}")
     width64 = width.reshape(-1).to(torch.float64)
     if search == "coarse_to_fine":
         best = coarse_to_fine(rows, levels.to(torch.int64), start_bin, stride)

@@ -152,10 +152,17 @@ def histogram_mse_uniform(
         has no counts).
 
     Raises:
-        ValueError: a float format or another norm (`uniform_applies`), or
-            bad `maxshrink`, `grid`.
+        ValueError: a float format or another norm (`uniform_applies`), bad
+            `maxshrink`, `grid`, or a bin width that is not positive (values
+            spread in a bin need one; `histogram_mse_search` takes it).
     """
     _check(maxshrink, grid, norm)
+    if bool((width <= 0).any()):
+        raise ValueError(
+            "the uniform-bin histogram MSE needs bin widths > 0; use "
+            "objective='bin_centers' (histogram_mse_search) for a histogram of "
+            "equal values"
+        )
     if not uniform_applies(args, norm):
         raise ValueError(
             "the uniform-bin histogram MSE scores integer formats with norm=2; "

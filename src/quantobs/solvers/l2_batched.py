@@ -21,11 +21,11 @@ form (`quantobs.solvers.l2_error`):
   best 4 refined coarse-to-fine (a quarter of the step per level, moves of
   -4 .. 4 steps of either end) down to one bin.
 
-Candidates are screened with the O(1) form (`approx_errors`: clipping exact,
-`D**2 / 12` per unit mass inside), or the exact one up to 32 levels; the
-best 4 (and, asymmetric, their one-bin neighbours) are then scored exactly
-when the format has at most 32 levels (int4 and narrower), and the least
-exact error wins. With more levels (int8) the result is the least O(1)
+Candidates are scored with the exact closed form when the format has at
+most 32 levels (int4 and narrower: every symmetric amax; the asymmetric
+grid and its refinements), and with the O(1) form otherwise
+(`approx_errors`: clipping exact, `D**2 / 12` per unit mass inside); the
+least error wins. With more levels (int8) the result is the least O(1)
 error: within a few histogram bins of the exact optimum's range, because
 auto-sized per-qparam histograms have no more bins than levels, so the
 density is uniform within all but the destination bins a bin edge crosses.
@@ -182,13 +182,16 @@ def l2_search_batched(
         counts: `(*Q, bins)` counts.
         lo: `(*Q,)` left edge of bin 0.
         width: `(*Q,)` bin width (> 0).
-        levels: destination levels, `qmax - qmin + 1` (asymmetric).
+        levels: destination levels, `qmax - qmin + 1` (asymmetric; with
+            `symmetric` the levels come from `(qmin, qmax)` and this is only
+            validated).
         symmetric: `(qmin, qmax)` for symmetric ranges, else None.
 
     Returns:
         `(min_vals, max_vals)`, each `(*Q,)` float32: asymmetric, the
         candidate's ends (bin edges); symmetric, `(-amax, amax)`. Qparams
-        with no counts get `(0, 0)`.
+        with no counts get `(0, 0)`; a histogram of equal values (`width
+        <= 0`) gets that value as both ends.
     """
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
         raise ValueError(f"levels must be an int >= 2, got {levels!r}")

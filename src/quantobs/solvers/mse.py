@@ -122,7 +122,9 @@ def grid_search(
     (`quantobs.solvers.mse_refine`); the arguments are `mse_search`'s.
     """
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
-    min_vals, max_vals = min_vals * expand, max_vals * expand
+    top = torch.finfo(torch.float32).max  # `expand` past it saturates
+    min_vals = (min_vals * expand).clamp(-top, top)
+    max_vals = (max_vals * expand).clamp(-top, top)
     scoring = search_args(args, round_scales)
     global_scale = None
     if round_scales and args.strategy == "tensor_group":

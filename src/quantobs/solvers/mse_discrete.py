@@ -194,4 +194,6 @@ def discrete_scale_search(
         target = chosen * ((fmt.max - fmt.min) / 2)  # (v / global) * levels
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     factor = torch.where(amax > 0, target / safe, torch.ones_like(amax))
-    return (mins * factor).reshape(shape), (maxs * factor).reshape(shape)
+    # one stored value beyond the range may pass float32's max: saturate
+    low, high = (mins * factor).clamp(-top, top), (maxs * factor).clamp(-top, top)
+    return low.reshape(shape), high.reshape(shape)

@@ -56,11 +56,13 @@ def percentile_bounds(
         upper = min(int(torch.searchsorted(cum.cpu(), need)), last)
         return zero, edges[upper]
     keep = total * (1.0 - (100.0 - percentile) / 200.0)
-    upper = min(int(torch.searchsorted(cum.cpu(), torch.tensor([keep]))), last)
+    # float64 targets, as the counts: float32 ones past 2**24 values round
+    # and cut the top bins (the Quark bug this module avoids)
+    need = torch.tensor([keep], dtype=torch.float64)
+    upper = min(int(torch.searchsorted(cum.cpu(), need)), last)
     before = torch.nn.functional.pad(cum[:-1], (1, 0)).cpu()  # counts below bin j
-    lower = (
-        int(torch.searchsorted(before, torch.tensor([total - keep]), right=True)) - 1
-    )
+    drop = torch.tensor([total - keep], dtype=torch.float64)
+    lower = int(torch.searchsorted(before, drop, right=True)) - 1
     lower_edge = edges[max(lower, 0) + 1]
     return torch.minimum(lower_edge, edges[upper]), edges[upper]
 

@@ -463,3 +463,18 @@ def _assert_covers(
     assert top + step >= max(float(data.max()), 0.0) / 2
     if qmin < 0 or not observer.symmetric:  # symmetric uint8: no negatives
         assert bottom - step <= min(float(data.min()), 0.0) / 2
+
+
+@pytest.mark.parametrize("bins", [0, -3, 2.5, True])
+def test_histogram_pro_rejects_bad_bins(bins: Any) -> None:
+    # Before: torch's "bins must be > 0" / "Dimension size must be
+    # non-negative" RuntimeErrors from deep inside.
+    spec = ours.QTensorConfig(
+        observer_cls="PerTensorHistogramObserverPro",
+        dtype="int8",
+        qscheme="per_tensor",
+        symmetric=True,
+        **INT,
+    )
+    with pytest.raises(ValueError, match="must be a positive int"):
+        ours.PerTensorHistogramObserverPro(spec, bins=bins)

@@ -52,7 +52,7 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         upsample_rate: kept for Quark's signature (torch >= 2.5 ignores it).
 
     Raises:
-        ValueError: another qscheme or dtype.
+        ValueError: another qscheme or dtype, or `bins` not a positive int.
     """
 
     statistic_cls = TorchHistogram
@@ -93,6 +93,8 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         *,
         nan_policy: NanPolicy = "raise",
     ) -> None:
+        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+            raise ValueError(f"bins={bins!r} must be a positive int (e.g. 256)")
         super().__init__(qspec, device, FLOAT32_EPS, nan_policy=nan_policy)
         self.bins = bins
         self.reduce_range = reduce_range

@@ -123,7 +123,7 @@ def repair_qparams(
         exact = torch.maximum(exact, torch.as_tensor(rule.eps).to(exact))
     fitted = exact.to(scale.dtype)
     if not bool(torch.isfinite(fitted[wide]).all()):
-        index = int(torch.nonzero(wide & ~torch.isfinite(fitted)).flatten()[0])
+        index = int((wide & ~torch.isfinite(fitted)).reshape(-1).nonzero()[0])
         raise _too_wide(owner, rule, low.flatten()[index], high.flatten()[index])
     scale = torch.where(wide, fitted, scale)
 
