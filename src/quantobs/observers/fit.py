@@ -20,7 +20,8 @@ NVFP4, MX) that assumption fails:
 
 On all-MiniLM-L6-v2 (`quantobs compare`, held-out cos mean of the sentence
 embeddings) min-max gives FP8 0.9977 and NVFP4 0.9671 where entropy gives
-0.9425 and 0.8622, and percentile FP8 0.9800: the objective, not a defect
+0.9425 and 0.7973 (NVFP4: on the inputs' global scale, the weights' groups
+keep min-max), and percentile FP8 0.9800: the objective, not a defect
 (ModelOpt's own entropy calibrator picks the same range on the same
 histograms, `tests/solvers/test_modelopt_parity.py`). ModelOpt, likewise,
 offers entropy and percentile calibration for int8 only.

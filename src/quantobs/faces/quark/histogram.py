@@ -32,7 +32,9 @@ Fixes of Quark's bugs (the tests assert the correct numbers):
 * Percentile counts are exact: past 2**24 values Quark's float32 CDF reaches
   1.0 early and cuts the top values even at p = 99.99999999.
 * The asymmetric MSE search fixes the minimum at 0 (negative values all
-  quantize to 0); here the minimum is the data minimum.
+  quantize to 0); here the minimum is the histogram's left edge per tensor
+  (the data minimum, or less than one bin below it once the histogram grew
+  to the left) and the data minimum per channel / group.
 * A batch much wider than the first grows Quark's histogram by whole bins
   of the first width without limit (a 10x wider batch: ~16,000 bins and a
   search quadratic in them; 1e17x: a loop that never ends; other growths
