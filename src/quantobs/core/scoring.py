@@ -32,6 +32,7 @@ __all__ = [
     "candidate_qparams",
     "error_power",
     "score",
+    "score_with_torch",
     "search_args",
     "shrink_factors",
 ]
@@ -148,6 +149,21 @@ def _score_native(
 
 
 _score_chunked.register("cpu", _score_native)
+
+
+def score_with_torch(
+    x3: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    fmt: NumberFormat,
+    norm: float,
+    *,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """`score` (unweighted) with torch ops whatever the device and the native
+    kernels' switch: llm-compressor's float32 arithmetic, which decides near
+    ties (`quantobs.solvers.mse_ties`). Same arguments and result."""
+    return _score_chunked.torch(x3, scale, zero_point, fmt, norm, chunk_elems)
 
 
 def score(

@@ -35,29 +35,21 @@ time, which stays 5-7 times faster than llm-compressor's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
-from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, candidate_qparams, score
+from quantobs.core.scoring import (
+    DEFAULT_CHUNK_ELEMS,
+    candidate_qparams,
+    score,
+    score_with_torch,
+)
 
-__all__ = ["LlmCompressorErrors", "patience_stop", "torch_kernels"]
+__all__ = ["LlmCompressorErrors", "patience_stop"]
 
 _TOLERANCE = 2.0**-16
-
-
-@contextmanager
-def torch_kernels() -> Iterator[None]:
-    """Run the torch implementations of the kernels inside the block (the
-    switch is process-wide, as `native.set_enabled`)."""
-    previous = native.set_enabled(False)
-    try:
-        yield
-    finally:
-        native.set_enabled(previous)
 
 
 def patience_stop(errors: torch.Tensor, patience: int | None) -> int | None:
@@ -169,8 +161,11 @@ class LlmCompressorErrors:
             # values (torch merges the two reduced dims); with a second one
             # the sums keep the (N, Q, G) order llm-compressor's have.
             scored = torch.cat([columns, (columns + 1) % num_q])
-        with torch_kernels():
-            found = self._score(self._qparams(self.factors, scored), scored)
+        scale, zero_point = self._qparams(self.factors, scored)
+        found = score_with_torch(
+            self.x3[:, scored], scale, zero_point, self.args.format, self.norm,
+            chunk_elems=self.chunk_elems,
+        )  # fmt: skip
         found = found[:, : columns.numel()]
         if self._torch is None:
             self._torch = torch.zeros(
