@@ -20,7 +20,7 @@ import torch
 from quantobs import QuantizationArgs, native
 from quantobs.core.layout import flatten_for_calibration
 from quantobs.core.qparams import calculate_qparams, generate_gparam
-from quantobs.solvers.mse import candidate_errors, search_args, shrink_factors
+from quantobs.core.scoring import candidate_errors, search_args, shrink_factors
 from quantobs.stats.reduce import minmax
 from tests.observers.test_observers import _MXFP4, _NVFP4
 

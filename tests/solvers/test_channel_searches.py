@@ -22,7 +22,7 @@ from quantobs.solvers.entropy import (
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.histogram_mse import histogram_mse_uniform
 from quantobs.solvers.l2_batched import l2_search_batched, symmetric_search
-from quantobs.solvers.l2_error import candidate_errors, l2_errors
+from quantobs.solvers.l2_error import l2_candidate_errors, l2_errors
 from quantobs.stats.histogram import histogram_of
 
 
@@ -163,8 +163,10 @@ def test_l2_kernels_native_equal_torch() -> None:
     lo_u = torch.rand(40, 30, generator=gen, dtype=torch.float64) * 60 - 10
     hi_u = lo_u + torch.rand(40, 30, generator=gen, dtype=torch.float64) * 140 - 5
     for exact, levels in ((False, 256), (True, 16)):
-        got = candidate_errors.native("cpu")(counts.double(), lo_u, hi_u, levels, exact)
-        expected = candidate_errors.torch(counts.double(), lo_u, hi_u, levels, exact)
+        got = l2_candidate_errors.native("cpu")(
+            counts.double(), lo_u, hi_u, levels, exact
+        )
+        expected = l2_candidate_errors.torch(counts.double(), lo_u, hi_u, levels, exact)
         assert got is not None
         assert torch.equal(torch.isinf(got), torch.isinf(expected))
         finite = torch.isfinite(expected)

@@ -11,6 +11,7 @@ import torch
 from torch.ao.quantization.observer import HistogramObserver
 
 from quantobs import QuantizationArgs, calculate_qparams, fake_quantize, native
+from quantobs.core.scoring import shrink_factors
 from quantobs.solvers import (
     entropy_search,
     histogram_mse_search,
@@ -22,7 +23,6 @@ from quantobs.solvers import (
 )
 from quantobs.solvers.l2_bounds import L2Bounds, bound_survivors, certify
 from quantobs.solvers.l2_error import exact_errors, prefix_moments, row_errors
-from quantobs.solvers.mse import shrink_factors
 from quantobs.solvers.percentile import percentile_upper
 from quantobs.solvers.torch_l2 import torch_l2_terms
 from quantobs.stats.histogram import histogram_of

@@ -100,50 +100,31 @@ def _divergences(
     The level boundaries depend only on the candidate and the level count, so
     they are computed once and every row gathers the same columns.
     """
-    num_q, bins = h.shape
-    device = h.device
-    csum, nz, plogp = prefixes
-    total = csum[:, -1:]  # (Q, 1)
+    num_q = h.shape[0]
+    csum, nz, _ = prefixes
     i = cands.to(torch.int64)  # (C,)
     num_c = i.numel()
-
-    mass_below = csum[:, i]  # S_i (Q, C)
-    tail = total - mass_below
-    last = h[:, i - 1]  # h_{i-1}
-    p_term = plogp[:, i - 1] + _xlogx(last + tail)
-
     # Level k holds bins [ceil(k i / nb), ceil((k + 1) i / nb)): exact integers.
-    k = torch.arange(levels + 1, device=device)
+    k = torch.arange(levels + 1, device=h.device)  # (nb + 1,)
     bounds = (k[None, :] * i[:, None] + levels - 1) // levels  # (C, nb + 1)
-    upper, lower = bounds[:, 1:].reshape(-1), bounds[:, :-1].reshape(-1)
+    upper = bounds[:, 1:].reshape(-1)  # (C * nb,)
+    lower = bounds[:, :-1].reshape(-1)  # (C * nb,)
     # Gather whole rows of the transposed prefix sums: (C * nb, Q) copies of
     # Q contiguous values, much faster than gathering columns.
-    csum_t, nz_t = csum.T.contiguous(), nz.T.contiguous()
-    shape = (num_c, levels, num_q)
+    csum_t, nz_t = csum.T.contiguous(), nz.T.contiguous()  # (B + 1, Q)
+    shape = (num_c, levels, num_q)  # (C, nb, Q)
     level_mass = (csum_t.index_select(0, upper) - csum_t.index_select(0, lower)).view(
         shape
     )
     level_bins = (nz_t.index_select(0, upper) - nz_t.index_select(0, lower)).view(shape)
-    # sum_k L_k log(L_k / n_k); a level with no non-empty bin has no mass, and
-    # then contributes 0 * (log(tiny) - log 1) = 0.
-    log_bins = torch.log(
-        torch.arange(bins + 1, dtype=torch.float64, device=device).clamp(min=1)
-    )
-    log_ratio = torch.log(level_mass.clamp(min=_TINY)).sub_(log_bins[level_bins])
-    q_term = log_ratio.mul_(level_mass).sum(dim=1).T  # (Q, C)
-    # q of bin i-1: its level's mass per non-empty bin.
-    top = (i - 1) * levels // i  # (C,)
-    columns = torch.arange(num_c, device=device)
-    top_mass = level_mass[columns, top].T
-    top_bins = level_bins[columns, top].T.to(torch.float64)
-    q_last = torch.log(torch.where(top_bins > 0, top_mass / top_bins, 1.0))
-    q_term = q_term + torch.where(tail > 0, tail * q_last, 0.0)
-
-    safe_total = torch.where(total > 0, total, 1.0)
-    safe_below = torch.where(mass_below > 0, mass_below, 1.0)
-    kl = (p_term - q_term) / safe_total - torch.log(safe_total) + torch.log(safe_below)
-    impossible = (mass_below <= 0) | ((tail > 0) & (last <= 0))
-    return torch.where(impossible, math.inf, kl)
+    top = (i - 1) * levels // i  # (C,) the level of bin i-1
+    columns = torch.arange(num_c, device=h.device)  # (C,)
+    top_mass = level_mass[columns, top].T  # (Q, C)
+    top_bins = level_bins[columns, top].T  # (Q, C)
+    # (Q, C, nb) views: the sums over the levels run in this layout
+    level_mass, level_bins = level_mass.permute(2, 0, 1), level_bins.permute(2, 0, 1)
+    i = i.expand(num_q, num_c)  # (Q, C)
+    return _kl(h, prefixes, i, level_mass, level_bins, top_mass, top_bins)
 
 
 def _divergences_rows(
@@ -151,40 +132,63 @@ def _divergences_rows(
 ) -> torch.Tensor:
     """KL of each row's own candidates `(Q, C)` for the rows of `h` `(Q, B)`:
     `_divergences`' arithmetic, the level boundaries gathered per row."""
-    num_q, bins = h.shape
-    device = h.device
-    csum, nz, plogp = prefixes
-    total = csum[:, -1:]  # (Q, 1)
+    num_q = h.shape[0]
+    csum, nz, _ = prefixes
     i = cands.to(torch.int64)  # (Q, C)
     num_c = i.shape[1]
-
-    mass_below = csum.gather(1, i)
-    tail = total - mass_below
-    last = h.gather(1, i - 1)
-    p_term = plogp.gather(1, i - 1) + _xlogx(last + tail)
-
-    k = torch.arange(levels + 1, device=device)
+    k = torch.arange(levels + 1, device=h.device)  # (nb + 1,)
     bounds = (k * i[..., None] + levels - 1) // levels  # (Q, C, nb + 1)
-    upper = bounds[..., 1:].reshape(num_q, -1)
-    lower = bounds[..., :-1].reshape(num_q, -1)
-    shape = (num_q, num_c, levels)
+    upper = bounds[..., 1:].reshape(num_q, -1)  # (Q, C * nb)
+    lower = bounds[..., :-1].reshape(num_q, -1)  # (Q, C * nb)
+    shape = (num_q, num_c, levels)  # (Q, C, nb)
     level_mass = (csum.gather(1, upper) - csum.gather(1, lower)).view(shape)
     level_bins = (nz.gather(1, upper) - nz.gather(1, lower)).view(shape)
+    top = ((i - 1) * levels // i)[..., None]  # (Q, C, 1) the level of bin i-1
+    top_mass = level_mass.gather(2, top).squeeze(2)  # (Q, C)
+    top_bins = level_bins.gather(2, top).squeeze(2)  # (Q, C)
+    return _kl(h, prefixes, i, level_mass, level_bins, top_mass, top_bins)
+
+
+def _kl(
+    h: torch.Tensor,
+    prefixes: Prefixes,
+    i: torch.Tensor,
+    level_mass: torch.Tensor,
+    level_bins: torch.Tensor,
+    top_mass: torch.Tensor,
+    top_bins: torch.Tensor,
+) -> torch.Tensor:
+    """`(Q, C)` KL of clip bins `i` `(Q, C)` for the rows of `h` `(Q, B)`, from
+    the mass and the non-empty bins of each candidate's levels (`level_mass`,
+    `level_bins`: `(Q, C, nb)`) and of the level holding bin `i - 1`
+    (`top_mass`, `top_bins`: `(Q, C)`, laid out as the levels' first two
+    dims); `_divergences` and `_divergences_rows` gather them."""
+    bins = h.shape[1]
+    csum, _, plogp = prefixes
+    total = csum[:, -1:]  # (Q, 1)
+    mass_below = csum.gather(1, i)  # S_i (Q, C)
+    tail = total - mass_below  # (Q, C)
+    last = h.gather(1, i - 1)  # h_{i-1} (Q, C)
+    p_term = plogp.gather(1, i - 1) + _xlogx(last + tail)  # (Q, C)
+    # sum_k L_k log(L_k / n_k); a level with no non-empty bin has no mass, and
+    # then contributes 0 * (log(tiny) - log 1) = 0.
     log_bins = torch.log(
-        torch.arange(bins + 1, dtype=torch.float64, device=device).clamp(min=1)
-    )
+        torch.arange(bins + 1, dtype=torch.float64, device=h.device).clamp(min=1)
+    )  # (B + 1,)
     log_ratio = torch.log(level_mass.clamp(min=_TINY)).sub_(log_bins[level_bins])
-    q_term = log_ratio.mul_(level_mass).sum(dim=2)  # (Q, C)
-    top = ((i - 1) * levels // i)[..., None]  # (Q, C, 1)
-    top_mass = level_mass.gather(2, top).squeeze(2)
-    top_bins = level_bins.gather(2, top).squeeze(2).to(torch.float64)
-    q_last = torch.log(torch.where(top_bins > 0, top_mass / top_bins, 1.0))
+    # The order of the sum (its rounding) follows its output's layout: that
+    # of the gathered levels' (Q, C), as `top_mass` has it.
+    q_term = torch.empty_like(top_mass)  # (Q, C)
+    torch.sum(log_ratio.mul_(level_mass), dim=2, out=q_term)
+    # q of bin i-1: its level's mass per non-empty bin.
+    top_bins = top_bins.to(torch.float64)
+    q_last = torch.log(torch.where(top_bins > 0, top_mass / top_bins, 1.0))  # (Q, C)
     q_term = q_term + torch.where(tail > 0, tail * q_last, 0.0)
 
-    safe_total = torch.where(total > 0, total, 1.0)
-    safe_below = torch.where(mass_below > 0, mass_below, 1.0)
+    safe_total = torch.where(total > 0, total, 1.0)  # (Q, 1)
+    safe_below = torch.where(mass_below > 0, mass_below, 1.0)  # (Q, C)
     kl = (p_term - q_term) / safe_total - torch.log(safe_total) + torch.log(safe_below)
-    impossible = (mass_below <= 0) | ((tail > 0) & (last <= 0))
+    impossible = (mass_below <= 0) | ((tail > 0) & (last <= 0))  # (Q, C)
     return torch.where(impossible, math.inf, kl)
 
 

@@ -36,7 +36,7 @@ import torch
 
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import candidate_qparams, score, search_args, shrink_factors
-from quantobs.solvers.l2_error import as_rows, candidate_errors
+from quantobs.solvers.l2_error import as_rows, l2_candidate_errors
 
 __all__ = ["histogram_mse_search", "histogram_mse_uniform", "uniform_applies"]
 
@@ -112,11 +112,11 @@ def histogram_mse_search(
     _check(maxshrink, grid, norm)
     qshape = tuple(counts.shape[:-1])
     bins = counts.shape[-1]
-    weights = counts.reshape(-1, bins).to(torch.float64)
+    weights = counts.reshape(-1, bins).to(torch.float64)  # (Q, bins)
     device = weights.device
-    index = torch.arange(bins, dtype=torch.float64, device=device) + 0.5
+    index = torch.arange(bins, dtype=torch.float64, device=device) + 0.5  # (bins,)
     centers = lo.reshape(-1, 1).to(torch.float64) + index * width.reshape(-1, 1)
-    centers = centers.to(torch.float32)
+    centers = centers.to(torch.float32)  # (Q, bins)
     factors, low, high = _candidates(min_vals, max_vals, maxshrink, grid, absolute)
     scoring = search_args(args)
     scale, zero_point = candidate_qparams(
@@ -188,12 +188,12 @@ def histogram_mse_uniform(
     for q0 in range(0, num_q, block):
         part = slice(q0, q0 + block)
         lo_p, hi_p = lo_u[part], hi_u[part]
-        errors = candidate_errors(rows[part], lo_p, hi_p, levels, False)
+        errors = l2_candidate_errors(rows[part], lo_p, hi_p, levels, False)
         if levels <= _EXACT_LEVELS:
             # the best by the O(1) form (first of ties: the widest), scored
             # exactly; the least exact error wins, the widest of ties
             top = torch.argsort(errors, dim=1, stable=True)[:, :_FINISH]
-            exact = candidate_errors(
+            exact = l2_candidate_errors(
                 rows[part], lo_p.gather(1, top), hi_p.gather(1, top), levels, True
             )
             least = exact.min(dim=1, keepdim=True).values

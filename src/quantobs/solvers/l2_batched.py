@@ -37,7 +37,7 @@ import torch
 
 from quantobs import native
 from quantobs.native.dispatch import kernel
-from quantobs.solvers.l2_error import candidate_errors
+from quantobs.solvers.l2_error import l2_candidate_errors
 
 __all__ = ["l2_search_batched", "symmetric_search"]
 
@@ -52,7 +52,7 @@ def _score(
     rows: torch.Tensor, lo_u: torch.Tensor, hi_u: torch.Tensor, levels: int
 ) -> torch.Tensor:
     """`(Q, C)` errors of the ranges (exact up to `_EXACT_LEVELS` levels)."""
-    return candidate_errors(rows, lo_u, hi_u, levels, levels <= _EXACT_LEVELS)
+    return l2_candidate_errors(rows, lo_u, hi_u, levels, levels <= _EXACT_LEVELS)
 
 
 def _extent(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,28 +139,29 @@ def _asymmetric_block(
     def score(params: torch.Tensor) -> torch.Tensor:
         return _score(rows, params[..., 0], params[..., 1], levels)
 
+    # G = _GRID + 1 edges, P = G (G - 1) / 2 pairs of them, T = _TOP kept
     ticks = torch.linspace(0, 1, _GRID + 1, dtype=torch.float64, device=device)
-    points = torch.round(first[:, None] + ticks * (last - first)[:, None])
-    pairs = torch.triu_indices(_GRID + 1, _GRID + 1, offset=1, device=device)
-    params = torch.stack([points[:, pairs[0]], points[:, pairs[1]]], dim=2)
-    params = _top(score(params), params, _TOP)
+    points = torch.round(first[:, None] + ticks * (last - first)[:, None])  # (Q, G)
+    pairs = torch.triu_indices(_GRID + 1, _GRID + 1, offset=1, device=device)  # (2, P)
+    params = torch.stack([points[:, pairs[0]], points[:, pairs[1]]], dim=2)  # (Q, P, 2)
+    params = _top(score(params), params, _TOP)  # (Q, T, 2)
     step = torch.ceil((last - first) / _GRID)  # (Q,)
     offsets = torch.arange(-_REACH, _REACH + 1, dtype=torch.float64, device=device)
     moves = torch.cartesian_prod(offsets, offsets)  # (M, 2)
     while True:
-        fine = torch.clamp(torch.ceil(step / _REACH), min=1)
-        grid = params[:, :, None, :] + moves * fine[:, None, None, None]
-        grid = grid.reshape(num_q, -1, 2).clamp(0, bins)
-        params = _top(score(grid), grid, _TOP)
+        fine = torch.clamp(torch.ceil(step / _REACH), min=1)  # (Q,)
+        grid = params[:, :, None, :] + moves * fine[:, None, None, None]  # (Q, T, M, 2)
+        grid = grid.reshape(num_q, -1, 2).clamp(0, bins)  # (Q, T * M, 2)
+        params = _top(score(grid), grid, _TOP)  # (Q, T, 2)
         step = fine
         if not bool((step > 1).any()):
             break
     if exact:
         unit = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64, device=device)
-        near = params[:, :, None, :] + torch.cartesian_prod(unit, unit)
-        params = near.reshape(num_q, -1, 2).clamp(0, bins)
-    best = score(params).argmin(dim=1)
-    return params[torch.arange(num_q, device=device), best]
+        near = params[:, :, None, :] + torch.cartesian_prod(unit, unit)  # (Q, T, 9, 2)
+        params = near.reshape(num_q, -1, 2).clamp(0, bins)  # (Q, T * 9, 2)
+    best = score(params).argmin(dim=1)  # (Q,)
+    return params[torch.arange(num_q, device=device), best]  # (Q, 2)
 
 
 def l2_search_batched(

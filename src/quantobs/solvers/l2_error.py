@@ -14,7 +14,7 @@ about the histogram's middle (fewer digits lost in float64). A prefix table
 (`prefix_moments`) gives the moments up to any position in one gather, so
 the error of a range is O(levels) (`exact_errors`, and its kernel for one
 histogram, `row_errors`) or O(1) when the density is taken as uniform within
-each destination bin (`approx_errors`); `candidate_errors` is the kernel of
+each destination bin (`approx_errors`); `l2_candidate_errors` is the kernel of
 either over many small histograms, each with its own candidates.
 `quantobs.solvers.global_l2` searches with them; `quantobs.solvers.l2_bounds`
 bounds them from below.
@@ -30,8 +30,8 @@ from quantobs.native.dispatch import kernel
 __all__ = [
     "approx_errors",
     "as_rows",
-    "candidate_errors",
     "exact_errors",
+    "l2_candidate_errors",
     "l2_errors",
     "moments_at",
     "prefix_moments",
@@ -166,7 +166,7 @@ def approx_errors(
 
 
 @kernel
-def candidate_errors(
+def l2_candidate_errors(
     counts: torch.Tensor,
     lo_u: torch.Tensor,
     hi_u: torch.Tensor,
@@ -193,7 +193,7 @@ def candidate_errors(
     return torch.where(hi_u > lo_u, errors, torch.inf)
 
 
-candidate_errors.register("cpu", native.l2_candidates)
+l2_candidate_errors.register("cpu", native.l2_candidates)
 
 
 def as_rows(

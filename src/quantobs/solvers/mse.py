@@ -27,24 +27,11 @@ import torch
 
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.qparams import generate_gparam
-from quantobs.core.scoring import (
-    DEFAULT_CHUNK_ELEMS,
-    candidate_errors,
-    search_args,
-    shrink_factors,
-)
+from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, search_args, shrink_factors
 from quantobs.solvers.mse_ties import LlmCompressorErrors, patience_stop
 from quantobs.stats.reduce import minmax
 
-__all__ = [
-    "GridSearch",
-    "best_shrink",
-    "candidate_errors",
-    "grid_search",
-    "mse_search",
-    "search_args",
-    "shrink_factors",
-]
+__all__ = ["GridSearch", "best_shrink", "grid_search", "mse_search"]
 
 
 def mse_search(

@@ -80,11 +80,11 @@ def _e4m3_candidates(raw_hi: torch.Tensor, raw_lo: torch.Tensor) -> torch.Tensor
     (`(Q,)` unrounded scales) and the scales between them round to, and one
     more value on each side."""
     table = get_format(_E4M3).values()
-    table = table[table > 0].to(torch.float32).to(raw_hi.device)  # ascending
+    table = table[table > 0].to(torch.float32).to(raw_hi.device)  # (T,) ascending
     last = table.numel() - 1
     # round(raw) is table[j - 1] or table[j], j = searchsorted(table, raw).
-    hi = (torch.searchsorted(table, raw_hi) + 1).clamp(0, last)
-    lo = (torch.searchsorted(table, raw_lo) - 2).clamp(0, last)
+    hi = (torch.searchsorted(table, raw_hi) + 1).clamp(0, last)  # (Q,)
+    lo = (torch.searchsorted(table, raw_lo) - 2).clamp(0, last)  # (Q,)
     count = int((hi - lo).max()) + 1
     steps = torch.arange(count, device=raw_hi.device)[:, None]  # (K, 1)
     index = torch.maximum(hi[None] - steps, lo[None])  # (K, Q), repeats lo
