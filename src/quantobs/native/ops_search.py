@@ -252,9 +252,11 @@ def entropy(h: torch.Tensor, cands: torch.Tensor, levels: int) -> torch.Tensor |
         raise ValueError(f"candidate bins must lie in [1, {bins}]")
     count = cands.shape[-1]
     out = torch.full((num_q, count), math.nan, dtype=torch.float64)
-    # integer counts: the logs of level masses come from a table
+    # integer counts: the logs of level masses come from a table, when the
+    # table is smaller than the work it saves (the same values as log())
     total = float(h.sum(dim=1).max()) if num_q else 0.0
-    integral = total < _LOG_TABLE and bool((h == h.floor()).all())
+    worth = total < min(_LOG_TABLE, num_q * count * levels)
+    integral = worth and bool((h == h.floor()).all())
     loaded().qo_entropy(
         h.data_ptr(),
         num_q,
@@ -292,6 +294,8 @@ def entropy_search_rows(
     counts = counts.contiguous()
     levels = levels.to(torch.int64).contiguous()
     total = int(counts.sum(dim=1).max()) if num_q else 0
+    # a log table when it is smaller than the work it saves (same values)
+    masses = total + 1 if total < min(_LOG_TABLE, counts.numel() * 16) else 0
     out = torch.empty(num_q, dtype=torch.int64)
     failed = loaded().qo_entropy_search(
         counts.data_ptr(),
@@ -303,7 +307,7 @@ def entropy_search_rows(
         coarse,
         keep,
         reach,
-        total + 1 if total < _LOG_TABLE else 0,
+        masses,
         out.data_ptr(),
         threads(counts.numel() * 16),
     )
