@@ -26,8 +26,8 @@ is as wide as a quantization step (a per-channel histogram of a few hundred
 bins under int8), which makes the centre rule pick noise; the uniform rule
 does not, and costs O(1) per candidate: every candidate is scored with the
 O(1) form (clipping exact, `scale**2 / 12` per unit mass inside), and up to
-32 levels (int4) the best 4 of it are scored exactly (O(levels)) and the
-least exact error wins.
+32 levels (`l2_error.EXACT_LEVELS`, int4) the best 4 of it are scored exactly
+(O(levels)) and the least exact error wins.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ import torch
 
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import candidate_qparams, score, search_args, shrink_factors
-from quantobs.solvers.l2_error import as_rows, l2_candidate_errors
+from quantobs.solvers.l2_error import EXACT_LEVELS, as_rows, l2_candidate_errors
 
 __all__ = ["histogram_mse_search", "histogram_mse_uniform", "uniform_applies"]
 
-_EXACT_LEVELS = 32  # uniform: up to this many levels, finish exactly
 _FINISH = 4  # uniform: best candidates of the O(1) form scored exactly
 _ELEMS = 1 << 18  # uniform: (qparams x candidates) scored per block
 
@@ -189,7 +188,7 @@ def histogram_mse_uniform(
         part = slice(q0, q0 + block)
         lo_p, hi_p = lo_u[part], hi_u[part]
         errors = l2_candidate_errors(rows[part], lo_p, hi_p, levels, False)
-        if levels <= _EXACT_LEVELS:
+        if levels <= EXACT_LEVELS:
             # the best by the O(1) form (first of ties: the widest), scored
             # exactly; the least exact error wins, the widest of ties
             top = torch.argsort(errors, dim=1, stable=True)[:, :_FINISH]

@@ -19,16 +19,18 @@ form (`quantobs.solvers.l2_error`):
   data's least magnitude up, and `A` itself): exhaustive;
 * asymmetric: every pair of a grid of 17 bin edges over the data, then the
   best 4 refined coarse-to-fine (a quarter of the step per level, moves of
-  -4 .. 4 steps of either end) down to one bin.
+  -4 .. 4 steps of either end) down to one bin; when scoring exactly, the
+  best 4 of the last level and their one-bin neighbours are scored again.
 
-Candidates are scored with the exact closed form when the format has at
-most 32 levels (int4 and narrower: every symmetric amax; the asymmetric
-grid and its refinements), and with the O(1) form otherwise
-(`approx_errors`: clipping exact, `D**2 / 12` per unit mass inside); the
-least error wins. With more levels (int8) the result is the least O(1)
-error: within a few histogram bins of the exact optimum's range, because
-auto-sized per-qparam histograms have no more bins than levels, so the
-density is uniform within all but the destination bins a bin edge crosses.
+Every candidate is scored with the exact closed form when the format has at
+most 32 levels (`EXACT_LEVELS`; int4 and narrower: every symmetric amax; the
+asymmetric grid and its refinements), and with the O(1) form otherwise
+(`approx_errors`: clipping exact, `D**2 / 12` per unit mass inside): one form
+per search, no screening; the least error wins. With more levels (int8) the
+result is the least O(1) error: within a few histogram bins of the exact
+optimum's range, because auto-sized per-qparam histograms have no more bins
+than levels, so the density is uniform within all but the destination bins a
+bin edge crosses.
 """
 
 from __future__ import annotations
@@ -37,22 +39,21 @@ import torch
 
 from quantobs import native
 from quantobs.native.dispatch import kernel
-from quantobs.solvers.l2_error import l2_candidate_errors
+from quantobs.solvers.l2_error import EXACT_LEVELS, l2_candidate_errors
 
 __all__ = ["l2_search_batched", "symmetric_search"]
 
-_EXACT_LEVELS = 32  # up to this many levels, screen and finish exactly
-_TOP = 4  # candidates kept per level / finished exactly
+_TOP = 4  # asymmetric: candidates kept per refinement level
 _GRID = 16  # asymmetric: first-level grid of _GRID + 1 edges
 _REACH = 4  # asymmetric refinement: moves of -_REACH .. _REACH steps per end
-_ELEMS = 1 << 18  # float64 elements per (qparams, candidates) block
+_ELEMS = 1 << 18  # qparams per block: _ELEMS // (4 * bins) of them
 
 
 def _score(
     rows: torch.Tensor, lo_u: torch.Tensor, hi_u: torch.Tensor, levels: int
 ) -> torch.Tensor:
-    """`(Q, C)` errors of the ranges (exact up to `_EXACT_LEVELS` levels)."""
-    return l2_candidate_errors(rows, lo_u, hi_u, levels, levels <= _EXACT_LEVELS)
+    """`(Q, C)` errors of the ranges (exact up to `EXACT_LEVELS` levels)."""
+    return l2_candidate_errors(rows, lo_u, hi_u, levels, levels <= EXACT_LEVELS)
 
 
 def _extent(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +116,7 @@ def _symmetric_native(
     qmin: float,
     qmax: float,
 ) -> torch.Tensor | None:
-    exact = int(qmax - qmin + 1) <= _EXACT_LEVELS
+    exact = int(qmax - qmin + 1) <= EXACT_LEVELS
     return native.l2_symmetric(counts, origin, amax, qmin, qmax, exact)
 
 
@@ -134,7 +135,7 @@ def _asymmetric_block(
     """Best `[a, b]` (bin edges) of each row, `(Q, 2)`, of one block."""
     num_q, bins = rows.shape
     device = rows.device
-    exact = levels <= _EXACT_LEVELS
+    exact = levels <= EXACT_LEVELS
 
     def score(params: torch.Tensor) -> torch.Tensor:
         return _score(rows, params[..., 0], params[..., 1], levels)

@@ -17,7 +17,9 @@ histogram, `row_errors`) or O(1) when the density is taken as uniform within
 each destination bin (`approx_errors`); `l2_candidate_errors` is the kernel of
 either over many small histograms, each with its own candidates.
 `quantobs.solvers.global_l2` searches with them; `quantobs.solvers.l2_bounds`
-bounds them from below.
+bounds them from below. `quantobs.solvers.l2_batched` and
+`quantobs.solvers.histogram_mse` use the exact form only for formats of at
+most `EXACT_LEVELS` levels (int4 and narrower), each in its own way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from quantobs import native
 from quantobs.native.dispatch import kernel
 
 __all__ = [
+    "EXACT_LEVELS",
     "approx_errors",
     "as_rows",
     "exact_errors",
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 _EXACT_ELEMS = 1 << 21  # float64 elements per exact-error temporary
+EXACT_LEVELS = 32  # the searches' exact form: formats of at most this many levels
 
 
 def prefix_moments(counts: torch.Tensor) -> torch.Tensor:
