@@ -12,7 +12,7 @@ leaves torch's float32 histogram without usable counts (torch and Quark: NaN
 or inf scales). Its qparams then cover the whole observed range, as a
 min-max observer's would, with a `RuntimeWarning` that says so; an affine
 scale or zero point that overflows float32 is computed in float64
-(`quantobs.faces.torch_ao.overflow`).
+(`quantobs.core.qparams.torch_repair`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from quantobs.core.qparams.torch_repair import repair_qparams, unsearchable_histogram
 from quantobs.core.qparams.torch_rule import TorchAORule, torch_quant_range
 from quantobs.faces.quark.base import FLOAT32_EPS, UniformScalingObserver
 from quantobs.faces.quark.spec import Dtype, QSchemeType, QTensorConfig
-from quantobs.faces.torch_ao.overflow import repair_qparams, unsearchable_histogram
 from quantobs.solvers.torch_l2 import torch_l2_search
 from quantobs.stats.base import Statistic
 from quantobs.stats.reduce import NanPolicy

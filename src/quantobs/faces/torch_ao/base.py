@@ -47,6 +47,7 @@ from typing import Any, ClassVar, get_args
 import torch
 
 from quantobs.core.layout import channel_view
+from quantobs.core.qparams.torch_repair import repair_qparams
 from quantobs.core.qparams.torch_rule import (
     ALLOWED_DTYPES,
     ALLOWED_QSCHEMES,
@@ -58,7 +59,6 @@ from quantobs.faces.torch_ao.errors import (
     InvalidObserverArgument,
     UnsupportedObserverConfig,
 )
-from quantobs.faces.torch_ao.overflow import repair_qparams
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.base import Statistic
 from quantobs.stats.reduce import NanPolicy

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 
 from quantobs.core.qparams import all_finite
+from quantobs.core.qparams.torch_repair import unsearchable_histogram
 from quantobs.core.qparams.torch_rule import (
     PER_TENSOR_QSCHEMES,
     SYMMETRIC_QSCHEMES,
@@ -59,7 +60,7 @@ from quantobs.faces.torch_ao.base import (
     tensor_view,
 )
 from quantobs.faces.torch_ao.errors import InvalidObserverArgument
-from quantobs.faces.torch_ao.overflow import cast_range, unsearchable_histogram
+from quantobs.faces.torch_ao.overflow import cast_range
 from quantobs.observers.solve_cache import SolveCache
 from quantobs.solvers.global_l2 import l2_search
 from quantobs.solvers.torch_l2 import torch_l2_search
