@@ -12,6 +12,7 @@ import torch
 from quantobs import Observer, QuantizationArgs, flatten_for_calibration
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
 from quantobs.solvers.torch_l2 import torch_l2_search
+from tests.format_args import NVFP4 as _NVFP4
 
 NAMES = ["histogram", "percentile", "entropy", "histogram_mse"]
 
@@ -28,13 +29,6 @@ def _named(name: str, base_name: str = "weight", **kwargs: Any) -> Observer:
     return Observer.load_from_registry(name, base_name=base_name, args=args, **kwargs)
 
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
 # (id, base_name, args, shape of one batch): every strategy of every base name.
 CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...]]] = [
     ("w-tensor-int8", "weight", {"num_bits": 8}, (16, 32)),

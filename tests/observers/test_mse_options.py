@@ -9,21 +9,9 @@ import torch
 
 from quantobs import Observer, QuantizationArgs, fake_quantize, generate_gparam
 from quantobs.observers.mse import MSEOptions
+from tests.format_args import MXFP4 as _MXFP4
+from tests.format_args import NVFP4 as _NVFP4
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
-_MXFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "group_size": 32,
-    "scale_dtype": torch.uint8,
-    "zp_dtype": torch.uint8,
-}
 _INT4_ASYM = {"num_bits": 4, "group_size": 32, "symmetric": False}
 
 

@@ -22,24 +22,12 @@ from quantobs import (
     preset_scheme,
 )
 from quantobs.observers import StaticMSEObserver
+from tests.format_args import MXFP4 as _MXFP4
+from tests.format_args import NVFP4 as _NVFP4
 
 SHARED = ["memoryless_minmax", "static_minmax", "minmax", "memoryless_mse", "mse"]
 MSE_NAMES = ("memoryless_mse", "mse", "static_mse")
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
-_MXFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "group_size": 32,
-    "scale_dtype": torch.uint8,
-    "zp_dtype": torch.uint8,
-}
 # (id, base_name, args, shape of one batch)
 CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...]]] = [
     ("w-tensor-int8", "weight", {"num_bits": 8}, (32, 64)),

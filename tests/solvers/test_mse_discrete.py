@@ -15,21 +15,9 @@ from quantobs.solvers.mse_discrete import (
     discrete_scales_supported,
     stored_scale_candidates,
 )
+from tests.format_args import MXFP4 as _MXFP4
+from tests.format_args import NVFP4 as _NVFP4
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
-_MXFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "group_size": 32,
-    "scale_dtype": torch.uint8,
-    "zp_dtype": torch.uint8,
-}
 _MXFP8 = {**_MXFP4, "num_bits": 8}
 ARGS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "mxfp8": _MXFP8}
 

@@ -14,14 +14,8 @@ from quantobs.core.layout import flatten_for_calibration
 from quantobs.core.scoring import candidate_qparams, score, search_args
 from quantobs.solvers.mse import mse_search
 from quantobs.solvers.mse_refine import refined_mse_search
+from tests.format_args import NVFP4 as _NVFP4
 
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
 ARGS = {
     "int4-g32": {"num_bits": 4, "group_size": 32},
     "int4-g32-asym": {"num_bits": 4, "group_size": 32, "symmetric": False},

@@ -19,6 +19,7 @@ from quantobs.faces.llmcompressor_legacy import (
     MovingAverageMSEObserver,
     Observer,
 )
+from tests.format_args import NVFP4 as _NVFP4
 
 # ------------------------------------------------------------------ reference
 
@@ -137,13 +138,6 @@ class LegacyReference:
 # ---------------------------------------------------------------------- cases
 
 _FP8 = {"num_bits": 8, "type": "float"}
-_NVFP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "scale_dtype": torch.float8_e4m3fn,
-}
 # id -> (args, batch shape, use a random g_idx)
 CASES: dict[str, tuple[dict[str, Any], tuple[int, ...], bool]] = {
     "tensor-int8": ({"num_bits": 8}, (16, 32), False),
