@@ -27,7 +27,7 @@ def test_qparams_equal_the_observers_on_the_same_values(
     minilm: torch.nn.Module, batches: list
 ) -> None:
     """weight_scale: the weight's own qparams; input_scale: static min-max
-    over every token that reached the layer."""
+    over every real token (padding excluded) that reached the layer."""
     layer = minilm.encoder.layer[3].intermediate.dense
     inputs: list[torch.Tensor] = []
     layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
@@ -52,7 +52,10 @@ def test_qparams_equal_the_observers_on_the_same_values(
     )
     assert torch.equal(layer.weight_scale, scale)
     assert torch.equal(layer.weight_zero_point, zero_point)
-    values = torch.cat([x.reshape(-1, 384) for x in inputs])
+    values = torch.cat(
+        [x[b["attention_mask"] != 0] for x, b in zip(inputs, batches, strict=True)]
+    )
+    assert values.shape[0] < sum(x.shape[0] * x.shape[1] for x in inputs)  # padded
     scale, zero_point = quantobs.calculate_qparams(
         values.min().reshape(1), values.max().reshape(1), a_args
     )

@@ -8,9 +8,10 @@ pre-hooks feed the inputs, forward hooks the outputs; the query, key and
 value states are observed where the attention function receives them
 (`(batch, heads, seq, head_dim)`, after rotary embeddings) through an
 attention implementation registered with transformers, which then calls the
-model's own. Weights are observed once, by `calibrate`. No hook keeps an
-activation after it returns. `detach(model)` removes every hook and observer
-(the qparams written stay).
+model's own. While `calibrate` runs a batch, hooks keep only its real tokens
+(`quantobs.calibration.tokens`: the attention mask). Weights are observed
+once, by `calibrate`. No hook keeps an activation after it returns.
+`detach(model)` removes every hook and observer (the qparams written stay).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from quantobs.calibration.recipe import Recipe, observer_for
+from quantobs.calibration.tokens import current_mask
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES, qparam_shape
 from quantobs.core.presets import QuantizationScheme
@@ -65,6 +67,8 @@ class Entry:
         tokens: tokens observed so far (activations and attention states).
         enabled: whether the hooks feed the observer (calibrate's reference
             pass turns the others off).
+        masked: whether the hooks keep only the batch's real tokens (off
+            where the module sees tokens already selected, e.g. an expert).
     """
 
     name: str
@@ -74,6 +78,7 @@ class Entry:
     group: str
     tokens: int = 0
     enabled: bool = True
+    masked: bool = True
 
     @property
     def key(self) -> str:
@@ -250,7 +255,12 @@ def _output_hook(entry: Entry) -> Callable[..., None]:
 
 
 def _observe(entry: Entry, value: Any) -> None:
-    if not entry.enabled or not isinstance(value, torch.Tensor) or not value.numel():
+    if not entry.enabled or not isinstance(value, torch.Tensor):
+        return
+    mask = current_mask() if entry.masked else None
+    if mask is not None:
+        value = mask.select(value)
+    if not value.numel():
         return
     with torch.no_grad():
         entry.observer.update(value.detach())
@@ -268,8 +278,11 @@ def _observed_attention(
     """The attention implementation `attach` installs: observe the states
     `(batch, heads, seq, head_dim)`, then call the model's own."""
     states = {"q": query, "k": key, "v": value}
+    mask = current_mask()
     for entry in getattr(module, "_quantobs_entries", ()):
         state = states[entry.base_name]
+        if mask is not None and entry.masked:
+            state = mask.select(state, "heads")  # (1, heads, n, D)
         if entry.enabled and state.numel():
             with torch.no_grad():
                 entry.observer.update(state.detach())

@@ -34,6 +34,7 @@ from quantobs.calibration.qparams import (
     fused_groups,
     set_qparams,
 )
+from quantobs.calibration.tokens import real_tokens
 from quantobs.observers.base import Observer
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.mse import StaticMSEObserver
@@ -42,6 +43,7 @@ from quantobs.stats.candidate_errors import CandidateErrors
 __all__ = [
     "CalibrationReport",
     "calibrate",
+    "needs_data",
     "sync",
     "text_batches",
     "to_model_device",
@@ -59,7 +61,8 @@ class CalibrationReport:
             (`"{module}.{base}"` -> count; the legacy token count, for every
             activation shape), summed over processes when synced.
         empty: observers that saw no data (their qparams fell back).
-        batches: batches run by this call (this process's).
+        batches: batches run by this call (this process's; 0 when no
+            observer needs data: weight-only schemes).
         seconds: wall time of this call.
     """
 
@@ -70,9 +73,13 @@ class CalibrationReport:
     seconds: float = 0.0
 
     def __str__(self) -> str:
+        data = (
+            f"on {self.batches} batches"
+            if self.batches or self.tokens
+            else "from their weights alone (no observer needs data)"
+        )
         lines = [
-            f"calibrated {len(self.modules)} modules on {self.batches} batches "
-            f"in {self.seconds:.2f} s"
+            f"calibrated {len(self.modules)} modules {data} in {self.seconds:.2f} s"
         ]
         if self.tokens:
             counts = sorted(self.tokens.values())
@@ -136,13 +143,25 @@ def to_model_device(batch: Any, model: torch.nn.Module) -> Any:
 
 
 def _forward(model: torch.nn.Module, batch: Any) -> None:
+    """Run one batch; the hooks see its real tokens only (`real_tokens`)."""
     batch = to_model_device(batch, model)
-    if isinstance(batch, Mapping):
-        model(**batch)
-    elif isinstance(batch, list | tuple):
-        model(*batch)
-    else:
-        model(batch)
+    with real_tokens(batch):
+        if isinstance(batch, Mapping):
+            model(**batch)
+        elif isinstance(batch, list | tuple):
+            model(*batch)
+        else:
+            model(batch)
+
+
+def needs_data(attachment: Attachment) -> bool:
+    """Whether any attached observer needs the calibration batches: one of
+    activations or attention states, or a weight search weighted by its
+    inputs' importance. Weight-only schemes with memoryless weight observers
+    need none, and `calibrate` then runs no batch."""
+    return any(
+        e.base_name != "weight" or _gathers_importance(e) for e in attachment.entries
+    )
 
 
 def _progress(batches: Iterable[Any], enabled: bool | None) -> Iterable[Any]:
@@ -208,6 +227,10 @@ def calibrate(
 ) -> CalibrationReport:
     """Run the batches through the model with its observers, write the qparams.
 
+    Activation observers see the real tokens of each batch only (its
+    `attention_mask`), so qparams do not depend on how texts were batched.
+    When no observer needs data (`needs_data`), no batch is run.
+
     Args:
         model: a model with observers attached (`attach`).
         batches: each a dict of keyword arguments (`model(**batch)`), a tuple
@@ -255,9 +278,10 @@ def calibrate(
         if sync:
             _agree_references(model, attachment, first, process_group)
         count = 0
-        for batch in _progress(batches, progress):  # streamed, never all held
-            _forward(model, batch)
-            count += 1
+        if needs_data(attachment):
+            for batch in _progress(batches, progress):  # streamed, never all held
+                _forward(model, batch)
+                count += 1
         if sync:
             importance = [o.importance for o in _importance_entries(attachment)]
             dist.sync_observers(importance, process_group)
