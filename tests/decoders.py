@@ -1,8 +1,9 @@
 """Tiny random-weight decoder LLMs of every family, built offline from
 transformers' config classes, and a byte-level tokenizer trained here.
 
-`FAMILIES` maps a family name to a builder of a small `*ForCausalLM` (a few
-thousand to a few hundred thousand parameters) that covers one shape of
+`FAMILIES` maps a family name to a builder of a small `*ForCausalLM` (0.3-1
+million parameters; every linear input a multiple of 128, so that W4A16's
+groups of 128 fit) that covers one shape of
 real LLMs: dense and GQA/MQA attention, sliding windows, fused qkv
 (Phi-3), transposed `Conv1D` weights (GPT-2), MoE experts stored as fused
 3-D parameters (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3) and multi-head
@@ -34,8 +35,8 @@ VOCAB = 320
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "max_position_embeddings": 256,
@@ -61,7 +62,7 @@ def _qwen2() -> Any:  # GQA, q/k/v biases, tied embeddings
 
 
 def _qwen3() -> Any:  # q/k norms, explicit head_dim
-    return _config("Qwen3Config", num_key_value_heads=2, head_dim=16)
+    return _config("Qwen3Config", num_key_value_heads=2, head_dim=32)
 
 
 def _mistral() -> Any:  # sliding window
@@ -72,7 +73,7 @@ def _gemma2() -> Any:  # alternating sliding / global attention, soft-capping
     return _config(
         "Gemma2Config",
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,
         sliding_window=8,
         tie_word_embeddings=True,
     )
@@ -82,7 +83,7 @@ def _gemma3() -> Any:
     return _config(
         "Gemma3TextConfig",
         num_key_value_heads=1,  # MQA
-        head_dim=16,
+        head_dim=32,
         sliding_window=8,
         tie_word_embeddings=True,
     )
@@ -97,7 +98,7 @@ def _gpt2() -> Any:  # Conv1D weights, fused c_attn
 
     return transformers.GPT2Config(
         vocab_size=VOCAB,
-        n_embd=64,
+        n_embd=128,
         n_layer=2,
         n_head=4,
         n_positions=256,
@@ -111,12 +112,12 @@ def _opt() -> Any:
 
     return transformers.OPTConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        ffn_dim=128,
+        hidden_size=128,
+        ffn_dim=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=256,
-        word_embed_proj_dim=64,
+        word_embed_proj_dim=128,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
@@ -127,8 +128,8 @@ def _qwen2_moe() -> Any:  # routed experts + a gated shared expert
     return _config(
         "Qwen2MoeConfig",
         num_key_value_heads=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
         num_experts=4,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
@@ -139,8 +140,8 @@ def _qwen3_moe() -> Any:
     return _config(
         "Qwen3MoeConfig",
         num_key_value_heads=2,
-        head_dim=16,
-        moe_intermediate_size=32,
+        head_dim=32,
+        moe_intermediate_size=128,
         num_experts=4,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
@@ -160,18 +161,18 @@ def _deepseek_v3() -> Any:  # MLA + routed and shared experts, first layer dense
     return _config(
         "DeepseekV3Config",
         num_key_value_heads=4,
-        moe_intermediate_size=32,
+        moe_intermediate_size=128,
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
         first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=32,
     )
 
 
