@@ -133,7 +133,8 @@ class Attachment:
         entries: every observed tensor, in module order.
         handles: the hooks registered.
         attn_impl: the model's attention implementation before attach (None
-            when no attention state is observed).
+            when no query state is observed: keys and values are observed at
+            the cache, without it).
     """
 
     recipe: Recipe
