@@ -243,7 +243,7 @@ def test_observing_the_cache_does_not_change_the_forward() -> None:
 def test_kv_scales_equal_llmcompressor_oneshot(tmp_path: Path) -> None:
     """FP8 weights and an FP8 per-tensor kv cache: the k / v scales equal
     llm-compressor 0.14 `oneshot`'s (batch size 1, so no padding), with its
-    default moving-average observer, within float32 rounding."""
+    default moving-average observer, bit for bit."""
     llmcompressor = pytest.importorskip("llmcompressor")
     datasets = pytest.importorskip("datasets")
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -268,11 +268,15 @@ def test_kv_scales_equal_llmcompressor_oneshot(tmp_path: Path) -> None:
         num_calibration_samples=len(TEXTS),
         max_seq_length=64,
     )
-    ours = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    # llm-compressor calibrates under eager attention; with sdpa the second
+    # layer's states differ in the last float32 bit
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager"
+    )
     attach(ours, _kv_recipe())
     one_per_batch = [dict(tokenizer(t, return_tensors="pt")) for t in TEXTS]
     calibrate(ours, one_per_batch, progress=False)
     expected, found = _kv_scales(theirs), _kv_scales(ours)
     assert expected.keys() == found.keys() and len(found) == 4
     for name, value in expected.items():
-        torch.testing.assert_close(found[name], value, rtol=2**-23, atol=0)
+        assert torch.equal(found[name], value), name
