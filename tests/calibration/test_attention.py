@@ -280,3 +280,29 @@ def test_kv_scales_equal_llmcompressor_oneshot(tmp_path: Path) -> None:
     assert expected.keys() == found.keys() and len(found) == 4
     for name, value in expected.items():
         assert torch.equal(found[name], value), name
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+def test_a_wide_regex_leaves_the_attention_states_to_the_kv_cache(
+    tmp_path: Path,
+) -> None:
+    """`re:.*self_attn.*` also matches the projections inside the attention:
+    compressed-tensors then quantizes the projections only (no narrow match),
+    and the kv cache keeps its own args."""
+    model = build_decoder("llama")
+    recipe = Recipe.from_scheme(
+        "FP8", targets=["re:.*self_attn.*"], kv_cache_scheme=FP8_HEADS
+    )
+    attachment = attach(model, recipe)
+    states = {
+        e.key: e.group for e in attachment.entries if e.base_name in ("q", "k", "v")
+    }
+    assert states == {
+        f"model.layers.{i}.self_attn.{b}": "kv_cache" for i in (0, 1) for b in "kv"
+    }
+    calibrate(model, _batches(), progress=False)
+    ours = _kv_scales(model)
+    assert {tuple(s.shape) for s in ours.values()} == {(2, 1, 1)}
+    loaded = _reloaded_kv_scales(save_compressed(model, tmp_path / "llama"))
+    for name, scale in ours.items():
+        torch.testing.assert_close(loaded[name], scale, rtol=0, atol=0)

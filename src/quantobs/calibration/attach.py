@@ -456,10 +456,16 @@ def _add_observers(
     An attention module a group targets gets its query states observed under
     the group's `input_activations`, and, where compressed-tensors caches
     them (`is_cached_attention`), its key and value states too: as
-    compressed-tensors, the group's args then replace the kv cache's.
+    compressed-tensors, the group's args then replace the kv cache's. Like
+    compressed-tensors, a group quantizes a cached attention's states only
+    where a target matches it narrowly (neither its parent nor a module
+    inside it): `"re:.*layers\\.0\\..*"` quantizes layer 0's projections,
+    not its attention states.
     """
     for name, module, group, scheme in resolved:
         attn = is_attention(module)
+        if is_cached_attention(module) and not _narrow(model, name, scheme):
+            continue
         parts = ["input_activations"] if attn else ["weights", *_ACT_PARTS]
         for part in parts:
             args = _observed_args(scheme, part)
@@ -474,6 +480,21 @@ def _add_observers(
             for base in bases:
                 _check_takes(name, module, base, args)
                 _add(attachment, Entry(name, module, base, args, group))
+
+
+def _narrow(model: torch.nn.Module, name: str, scheme: QuantizationScheme) -> bool:
+    """Whether a target of `scheme` matches module `name` but neither its
+    parent nor any module inside it (compressed-tensors' narrow match)."""
+    module = model.get_submodule(name)
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    inside = [(f"{name}.{n}", m) for n, m in module.named_modules() if n]
+    return any(
+        _matches(t, name, module)
+        and not _matches(t, parent_name, parent)
+        and not any(_matches(t, n, m) for n, m in inside)
+        for t in scheme.targets
+    )
 
 
 def _add_kv_observers(
