@@ -57,6 +57,7 @@ __all__ = [
     "hook_cache",
     "is_cached_attention",
     "is_latent_attention",
+    "observe_state",
     "unhook_attention",
 ]
 
