@@ -32,7 +32,7 @@ def test_default_observers_are_llmcompressors() -> None:
     args = QuantizationArgs(num_bits=4, group_size=128)
     assert observer_for("weight", args) == ("memoryless_minmax", {})
     assert observer_for("input", args) == ("static_minmax", {})
-    assert observer_for("k", args) == ("static_minmax", {})
+    assert observer_for("k", args) == ("minmax", {})  # attention states
 
 
 def test_coerce_accepts_names_schemes_and_dicts() -> None:

@@ -4,11 +4,17 @@
 one observer per quantized tensor as a submodule named as llm-compressor
 names them: `weight_observer`, `input_observer`, `output_observer`, and on
 attention modules `q_observer`, `k_observer`, `v_observer`. Forward
-pre-hooks feed the inputs, forward hooks the outputs; the query, key and
-value states are observed where the attention function receives them
-(`(batch, heads, seq, head_dim)`, after rotary embeddings) through an
-attention implementation registered with transformers, which then calls the
-model's own. While `calibrate` runs a batch, hooks keep only its real tokens
+pre-hooks feed the inputs, forward hooks the outputs; attention states are
+observed where compressed-tensors quantizes them
+(`quantobs.calibration.attention`): the query states in the attention
+function, the key and value states where the model writes its kv cache.
+A `kv_cache_scheme` observes `k` / `v` on every attention module
+compressed-tensors quantizes, whatever the config groups' targets, and is
+refused on a model where it quantizes none (GPT-2). `Conv1D` weights
+(stored transposed) are observed as the Linear weight they are
+(`quantobs.calibration.transposed`). A recipe that quantizes nothing, or
+whose `"Linear"` target misses a model's `Conv1D` layers, is refused.
+While `calibrate` runs a batch, hooks keep only its real tokens
 (`quantobs.calibration.tokens`: the attention mask). Weights are observed
 once, by `calibrate`. No hook keeps an activation after it returns.
 `detach(model)` removes every hook and observer (the qparams written stay).
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +31,17 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from quantobs.calibration.attention import (
+    check_attention_config,
+    check_kv_cache,
+    hook_attention,
+    hook_cache,
+    is_cached_attention,
+    unhook_attention,
+)
 from quantobs.calibration.recipe import Recipe, observer_for
 from quantobs.calibration.tokens import current_mask
+from quantobs.calibration.transposed import linear_weight, transposed_layers
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES, qparam_shape
 from quantobs.core.presets import QuantizationScheme
@@ -47,7 +61,6 @@ __all__ = [
 
 #: Attribute of the model holding its `Attachment`.
 ATTACHMENT_ATTR = "_quantobs_attachment"
-_ATTN_NAME = "quantobs_observed"
 #: The qparams written per tensor: `{base_name}_{kind}`.
 QPARAM_KINDS = ("scale", "zero_point", "global_scale")
 # Projections of an attention module: Llama-style, then BERT-style.
@@ -95,9 +108,10 @@ class Entry:
 
     @property
     def weight(self) -> torch.Tensor:
-        """The module's weight (weight entries)."""
-        found = getattr(self.module, "weight", None)
-        if not isinstance(found, torch.Tensor):  # pragma: no cover - checked
+        """The module's weight as a Linear holds it, `(out_features,
+        in_features)` (a transposed view for `Conv1D`; weight entries)."""
+        found = linear_weight(self.module)
+        if found is None:  # pragma: no cover - checked
             raise TypeError(f"{self.key}: the module has no weight tensor")
         return found
 
@@ -119,7 +133,8 @@ class Attachment:
         entries: every observed tensor, in module order.
         handles: the hooks registered.
         attn_impl: the model's attention implementation before attach (None
-            when no attention state is observed).
+            when no query state is observed: keys and values are observed at
+            the cache, without it).
     """
 
     recipe: Recipe
@@ -142,8 +157,12 @@ def _matches(target: str, name: str, module: torch.nn.Module) -> bool:
 
 
 def is_attention(module: torch.nn.Module) -> bool:
-    """Whether `module` computes attention from q / k / v projections
-    (Llama-style `q_proj`... or BERT-style `query`...)."""
+    """Whether `module` computes attention from q / k / v projections: one
+    compressed-tensors quantizes (`attention.is_cached_attention`: Llama,
+    Phi-3's `qkv_proj`, DeepSeek's MLA...), or a Llama-style `q_proj`... or
+    BERT-style `query`... module whose class name ends with `Attention`."""
+    if is_cached_attention(module):
+        return True
     if not type(module).__name__.endswith("Attention"):
         return False
     return any(all(hasattr(module, n) for n in names) for names in _QKV_NAMES)
@@ -194,7 +213,7 @@ def _check_takes(
     name: str, module: torch.nn.Module, base_name: str, args: QuantizationArgs
 ) -> None:
     """Raise if the module's tensor cannot be quantized under `args`."""
-    weight = getattr(module, "weight", None)
+    weight = linear_weight(module)  # (out, in), Conv1D's transposed
     shape: tuple[int, ...] | None = None
     if base_name == "weight":
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
@@ -267,82 +286,6 @@ def _observe(entry: Entry, value: Any) -> None:
     entry.tokens += value.numel() // max(1, value.shape[-1])
 
 
-def _observed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """The attention implementation `attach` installs: observe the states
-    `(batch, heads, seq, head_dim)`, then call the model's own."""
-    states = {"q": query, "k": key, "v": value}
-    mask = current_mask()
-    for entry in getattr(module, "_quantobs_entries", ()):
-        state = states[entry.base_name]
-        if mask is not None and entry.masked:
-            state = mask.select(state, "heads")  # (1, heads, n, D)
-        if entry.enabled and state.numel():
-            with torch.no_grad():
-                entry.observer.update(state.detach())
-            entry.tokens += state.shape[0] * state.shape[2]
-    impl = getattr(module, "_quantobs_impl", None)
-    if impl is None:  # pragma: no cover - set by attach
-        raise RuntimeError("attention module has no quantobs implementation to call")
-    return impl(module, query, key, value, *args, **kwargs)
-
-
-def _original_attention(module: torch.nn.Module, name: str) -> Callable[..., Any]:
-    """The attention function the module would call under implementation
-    `name` (its modeling file's `eager_attention_forward` for "eager")."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name != "eager" and name in ALL_ATTENTION_FUNCTIONS:
-        found: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS[name]
-        return found
-    eager = getattr(
-        sys.modules[type(module).__module__], "eager_attention_forward", None
-    )
-    if eager is None:
-        raise ValueError(
-            f"cannot observe q/k/v of {type(module).__name__}: its modeling module "
-            "has no eager_attention_forward"
-        )
-    return eager
-
-
-def _hook_attention(
-    model: torch.nn.Module, attachment: Attachment, modules: dict[str, torch.nn.Module]
-) -> None:
-    """Route the model's attention through `_observed_attention`."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(
-            "observing q/k/v needs a transformers PreTrainedModel (the attention "
-            "function is where the states are seen); target the projections' "
-            "outputs instead"
-        )
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    original = str(config._attn_implementation)
-    if original == _ATTN_NAME:
-        raise ValueError("the model's attention is already observed; detach() first")
-    for entry_module in modules.values():
-        entry_module._quantobs_impl = _original_attention(entry_module, original)  # type: ignore[assignment]
-        entry_module._quantobs_entries = [  # type: ignore[assignment]
-            e for e in attachment.entries if e.module is entry_module
-        ]
-    ALL_ATTENTION_FUNCTIONS.register(_ATTN_NAME, _observed_attention)
-    if original in ALL_MASK_ATTENTION_FUNCTIONS:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(
-            _ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS[original]
-        )
-    model.set_attn_implementation(_ATTN_NAME)  # type: ignore[operator]
-    attachment.attn_impl = original
-
-
 # ------------------------------------------------------------------ public
 
 
@@ -380,7 +323,7 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
     """Register the recipe's observers and hooks on `model`.
 
     Args:
-        model: any `nn.Module`; q/k/v states need a transformers model.
+        model: any `nn.Module`; attention states need a transformers model.
         recipe: a `Recipe`, a preset name (`"W4A16"`: every `Linear`), or a
             compressed-tensors `QuantizationConfig` / its dict.
 
@@ -389,8 +332,11 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
 
     Raises:
         RuntimeError: observers are already attached.
-        ValueError: a target that matches nothing (close names listed), or a
-            layer its scheme cannot take (named, with the fix).
+        ValueError: a target that matches nothing (close names listed), a
+            layer its scheme cannot take (named, with the fix), a recipe
+            that quantizes nothing, a `"Linear"` target that misses the
+            model's `Conv1D` layers, or a `kv_cache_scheme` compressed-tensors
+            cannot apply to the model (`attention.check_kv_cache`).
         KeyError: an unknown observer name.
     """
     if isinstance(getattr(model, ATTACHMENT_ATTR, None), Attachment):
@@ -398,15 +344,27 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
     recipe = Recipe.coerce(recipe)
     attachment = Attachment(recipe)
     resolved = _resolve(model, recipe)
+    _check_transposed(model, recipe, resolved)
+    _check_quantizes(model, recipe, resolved)
+    kv_modules = (
+        []
+        if recipe.kv_cache_scheme is None
+        else check_kv_cache(
+            model, recipe.kv_cache_scheme, lambda n, m: _ignored_by(recipe, n, m)
+        )
+    )
     try:
-        attention = _add_observers(attachment, resolved)
+        _add_observers(model, attachment, resolved)
+        _add_kv_observers(attachment, kv_modules)
+        _sort_entries(model, attachment)
         _add_hooks(attachment)
-        if attention:
-            _hook_attention(model, attachment, attention)
+        queries = [e for e in attachment.entries if e.base_name == "q"]
+        if queries:
+            attachment.attn_impl = hook_attention(model, queries)
     except Exception:
         _undo(model, attachment)
         raise
-    for _, module, _, _ in resolved:
+    for module in {id(e.module): e.module for e in attachment.entries}.values():
         _drop_qparams(module)
     setattr(model, ATTACHMENT_ATTR, attachment)
     return attachment
@@ -420,33 +378,149 @@ def _drop_qparams(module: torch.nn.Module) -> None:
                 delattr(module, f"{base}_{kind}")
 
 
+def _ignored_by(recipe: Recipe, name: str, module: torch.nn.Module) -> str | None:
+    """The first ignore target matching the module, or None."""
+    return next((t for t in recipe.ignore if _matches(t, name, module)), None)
+
+
+def _check_transposed(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
+) -> None:
+    """Refuse a `"Linear"` target on a model whose `Conv1D` layers no target
+    or ignore entry mentions (they would be skipped silently)."""
+    layers = transposed_layers(model)
+    if not layers:
+        return
+    taken = {name for name, *_ in resolved}
+    skipped = [
+        n
+        for n in layers
+        if n not in taken and _ignored_by(recipe, n, model.get_submodule(n)) is None
+    ]
+    groups = [g for g, s in recipe.config_groups.items() if "Linear" in s.targets]
+    if skipped and groups:
+        raise ValueError(
+            f"config group {groups[0]!r} targets 'Linear', which does not match the "
+            f"{len(skipped)} Conv1D layers of {type(model).__name__} (e.g. "
+            f"{skipped[0]!r}: transformers' Conv1D, weight stored transposed); add "
+            "'Conv1D' to the targets to quantize them, or to the ignore list to "
+            "leave them unquantized"
+        )
+
+
+def _fused_experts(model: torch.nn.Module) -> list[str]:
+    """Modules holding 3-D weights of their own (MoE experts stored fused)."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if any(p.ndim == 3 for p in m.parameters(recurse=False))
+    ]
+
+
+def _check_quantizes(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
+) -> None:
+    """Refuse a recipe whose every targeted module is ignored."""
+    if resolved:
+        return
+    targets = [t for s in recipe.config_groups.values() for t in s.targets]
+    hints = []
+    if layers := transposed_layers(model):
+        hints.append(
+            f"the model's linear layers are Conv1D (weights stored transposed, "
+            f"e.g. {layers[0]!r}): target 'Conv1D'"
+        )
+    if experts := _fused_experts(model):
+        hints.append(
+            f"its MoE experts are fused 3-D parameters (e.g. {experts[0]!r}), "
+            "which no Linear target matches"
+        )
+    hint = f"; {'; '.join(hints)}" if hints else ""
+    raise ValueError(
+        f"the recipe quantizes nothing: every module its targets {targets} match "
+        f"is in its ignore list {recipe.ignore}{hint}"
+    )
+
+
 def _add_observers(
+    model: torch.nn.Module,
     attachment: Attachment,
     resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
-) -> dict[str, torch.nn.Module]:
-    """One observer per quantized tensor; returns the attention modules."""
-    attention: dict[str, torch.nn.Module] = {}
-    kv = attachment.recipe.kv_cache_scheme
+) -> None:
+    """One observer per quantized tensor of the modules the groups target.
+
+    An attention module a group targets gets its query states observed under
+    the group's `input_activations`, and, where compressed-tensors caches
+    them (`is_cached_attention`), its key and value states too: as
+    compressed-tensors, the group's args then replace the kv cache's. Like
+    compressed-tensors, a group quantizes a cached attention's states only
+    where a target matches it narrowly (neither its parent nor a module
+    inside it): `"re:.*layers\\.0\\..*"` quantizes layer 0's projections,
+    not its attention states.
+    """
     for name, module, group, scheme in resolved:
         attn = is_attention(module)
+        if is_cached_attention(module) and not _narrow(model, name, scheme):
+            continue
         parts = ["input_activations"] if attn else ["weights", *_ACT_PARTS]
         for part in parts:
             args = _observed_args(scheme, part)
             if args is None:
                 continue
-            base = "q" if attn else _BASE[part]
-            _check_takes(name, module, base, args)
-            _add(attachment, Entry(name, module, base, args, group))
-            if attn:
-                attention[name] = module
-        if attn and kv is not None and kv.dynamic is not True:
-            for base in ("k", "v"):
-                _add(attachment, Entry(name, module, base, kv, "kv_cache"))
-            attention[name] = module
-    return attention
+            bases = [_BASE[part]]
+            if attn and is_cached_attention(module):
+                check_attention_config(model, name, module)
+                bases = ["q", "k", "v"]
+            elif attn:
+                bases = ["q"]
+            for base in bases:
+                _check_takes(name, module, base, args)
+                _add(attachment, Entry(name, module, base, args, group))
+
+
+def _narrow(model: torch.nn.Module, name: str, scheme: QuantizationScheme) -> bool:
+    """Whether a target of `scheme` matches module `name` but neither its
+    parent nor any module inside it (compressed-tensors' narrow match)."""
+    module = model.get_submodule(name)
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    inside = [(f"{name}.{n}", m) for n, m in module.named_modules() if n]
+    return any(
+        _matches(t, name, module)
+        and not _matches(t, parent_name, parent)
+        and not any(_matches(t, n, m) for n, m in inside)
+        for t in scheme.targets
+    )
+
+
+def _add_kv_observers(
+    attachment: Attachment, modules: list[tuple[str, torch.nn.Module]]
+) -> None:
+    """`k` / `v` observers under the kv cache's args on every cached
+    attention module a group's attention args do not cover already."""
+    kv = attachment.recipe.kv_cache_scheme
+    if kv is None or kv.dynamic is True:
+        return
+    covered = {id(e.module) for e in attachment.entries if e.base_name == "k"}
+    for name, module in modules:
+        if id(module) in covered:
+            continue
+        for base in ("k", "v"):
+            _add(attachment, Entry(name, module, base, kv, "kv_cache"))
+
+
+def _sort_entries(model: torch.nn.Module, attachment: Attachment) -> None:
+    """Entries in module order (stable: a module's keep their order)."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    attachment.entries.sort(key=lambda e: order.get(id(e.module), len(order)))
 
 
 def _add_hooks(attachment: Attachment) -> None:
+    caches: dict[int, list[Entry]] = {}
     for entry in attachment.entries:
         if entry.base_name == "input":
             handle = entry.module.register_forward_pre_hook(
@@ -455,8 +529,12 @@ def _add_hooks(attachment: Attachment) -> None:
         elif entry.base_name == "output":
             handle = entry.module.register_forward_hook(_output_hook(entry))
         else:
+            if entry.base_name in ("k", "v"):
+                caches.setdefault(id(entry.module), []).append(entry)
             continue
         attachment.handles.append(handle)
+    for entries in caches.values():
+        attachment.handles.append(hook_cache(entries[0].module, entries))
 
 
 _ACT_PARTS = ("input_activations", "output_activations")
@@ -478,10 +556,9 @@ def _undo(model: torch.nn.Module, attachment: Attachment) -> None:
             stop()
         if observer is not None:
             del entry.module._modules[observer_name]
-        for attr in ("_quantobs_impl", "_quantobs_entries"):
-            entry.module.__dict__.pop(attr, None)
-    if attachment.attn_impl is not None:
-        model.set_attn_implementation(attachment.attn_impl)  # type: ignore[operator]
+    unhook_attention(
+        model, (e.module for e in attachment.entries), attachment.attn_impl
+    )
     attachment.handles.clear()
 
 

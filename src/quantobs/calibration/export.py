@@ -22,8 +22,12 @@ The format of each config group is compressed-tensors' own inference
 Groups of different formats make a `mixed-precision` checkpoint; a group
 that quantizes no weight (attention states) keeps dense weights. Scales of
 the kv cache and of attention states are exported where compressed-tensors
-treats the module as attention (Llama-style `q_proj` / `k_proj` / `v_proj`);
-elsewhere `save_compressed` refuses rather than drop them.
+treats the module as attention (`quantobs.calibration.attention`: a
+`k_proj`, `v_proj`, `qkv_proj` or `kv_b_proj` and a kv cache); elsewhere
+`save_compressed` refuses rather than drop them. Calibrated `Conv1D` layers
+(GPT-2's transposed weights) are refused too: neither compressed-tensors nor
+transformers loads a quantized `Conv1D` (evaluate them through
+`simulate.compressed_tensors_copy`, which holds their Linear equivalent).
 
 Nothing half-written is left behind: the checkpoint is written into a hidden
 temporary directory beside `out_dir`, which is renamed into place once
@@ -48,6 +52,7 @@ import torch
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
+from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
@@ -182,6 +187,27 @@ def checkpoint_formats(recipe: Recipe, format: str | None = None) -> dict[str, s
             f"{supported} ({_EXAMPLES})"
         )
     return found
+
+
+def _refuse_transposed(attachment: Any) -> None:
+    """Raise if the recipe quantizes `Conv1D` layers: no checkpoint of them
+    loads (compressed-tensors initializes only Linear and Embedding layers,
+    transformers' GPT-2 builds Conv1D)."""
+    layers = list(
+        dict.fromkeys(e.name for e in attachment.entries if is_transposed(e.module))
+    )
+    if not layers:
+        return
+    leaves = sorted({name.rpartition(".")[2] for name in layers})
+    pattern = f"re:.*\\.({'|'.join(leaves)})$"
+    raise ValueError(
+        f"cannot save {len(layers)} quantized Conv1D layer(s) (e.g. {layers[0]!r}; "
+        "transformers' Conv1D stores its weight transposed): neither "
+        "compressed-tensors nor transformers loads a quantized Conv1D. Add them "
+        f"to the recipe's ignore list (e.g. ignore=['Conv1D'] or {pattern!r}) to "
+        "save the rest; quantobs compare evaluates them quantized without a "
+        "checkpoint"
+    )
 
 
 # --------------------------------------------------------------- directories
@@ -346,9 +372,10 @@ def save_compressed(
         RuntimeError: no observers attached, or the model is not calibrated.
         TypeError: the model has no `save_pretrained`.
         ValueError: a scheme with no supported format, a `format` that
-            cannot store it, or qparams compressed-tensors would not place as
-            calibrated (states it does not quantize, targets it resolves
-            otherwise).
+            cannot store it, calibrated `Conv1D` layers (named, with the
+            ignore pattern that leaves them out), or qparams
+            compressed-tensors would not place as calibrated (states it does
+            not quantize, targets it resolves otherwise).
         FileExistsError: `out_dir` is a file, or not empty without
             `overwrite`.
         FileNotFoundError: `source_dir` is not a directory.
@@ -367,6 +394,7 @@ def save_compressed(
             "save_compressed needs a transformers PreTrainedModel (one with "
             f"save_pretrained); got {type(model).__name__}"
         )
+    _refuse_transposed(attachment)
     formats = checkpoint_formats(attachment.recipe, format)
     calibrated_qparams(attachment)  # not calibrated: fail before any write
     source = _default_source(model) if source_dir is None else Path(source_dir)

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry
+from quantobs.calibration.transposed import linear_weight
 from quantobs.core.layout import qparam_shape
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
 
@@ -105,7 +106,7 @@ def _weight_qparams(group: Sequence[Entry]) -> dict[str, QParams]:
 
 def _expected_shape(entry: Entry) -> tuple[int, ...] | None:
     """The qparam shape of an activation entry without data, where known."""
-    weight = getattr(entry.module, "weight", None)
+    weight = linear_weight(entry.module)  # (out, in), Conv1D's transposed
     if isinstance(weight, torch.Tensor) and weight.ndim == 2:
         features = weight.shape[1] if entry.base_name == "input" else weight.shape[0]
         if entry.base_name in ("input", "output"):

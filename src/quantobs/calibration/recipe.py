@@ -11,12 +11,17 @@ A `Recipe` is a set of config groups, each a list of `targets` and a
   `re.match` as compressed-tensors does).
 
 The observer of each tensor is the args' `observer` (with `observer_kwargs`),
-or llm-compressor's default: `memoryless_minmax` for weights and
-`static_minmax` for static activations and attention states.
+or a default: `memoryless_minmax` for weights, `static_minmax` for static
+activations, and llm-compressor 0.14's moving-average `minmax` for the
+attention states `q`, `k`, `v` (its `initialize_observer`).
 
 A scheme whose target is an attention module (one that has `q_proj` /
 `query`-style projections, or whose class name says `Attention`) quantizes
-the query states with its `input_activations`, as compressed-tensors does.
+the query states with its `input_activations`, as compressed-tensors does,
+and the key and value states too where compressed-tensors caches them
+(`quantobs.calibration.attention`). The `kv_cache_scheme` quantizes the key
+and value states of every attention module compressed-tensors caches,
+whatever the targets and the ignore list.
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ from quantobs.core.presets import QuantizationScheme, preset_scheme
 
 __all__ = ["DEFAULT_OBSERVERS", "Recipe", "observer_for"]
 
-#: llm-compressor's default observers when the args name none.
-DEFAULT_OBSERVERS = {"weight": "memoryless_minmax", "activation": "static_minmax"}
+#: The observers used when the args name none: llm-compressor 0.14's for
+#: weights and attention states (`q`, `k`, `v`: the moving-average `minmax`).
+DEFAULT_OBSERVERS = {
+    "weight": "memoryless_minmax",
+    "activation": "static_minmax",
+    "attention": "minmax",
+}
+_ATTENTION_STATES = ("q", "k", "v")
 
 _PARTS = {
     "weights": "weight",
@@ -47,6 +58,8 @@ def observer_for(base_name: str, args: QuantizationArgs) -> tuple[str, dict[str,
     if args.observer is not None:
         return args.observer, dict(args.observer_kwargs)
     kind = "weight" if base_name == "weight" else "activation"
+    if base_name in _ATTENTION_STATES:
+        kind = "attention"
     return DEFAULT_OBSERVERS[kind], dict(args.observer_kwargs)
 
 
@@ -109,7 +122,8 @@ class Recipe(BaseModel):
             a module matched by several groups takes the first.
         ignore: targets never quantized.
         kv_cache_scheme: args of the `k` and `v` attention states of every
-            attention module targeted (or None).
+            attention module compressed-tensors caches, whatever the targets
+            (or None).
     """
 
     model_config = ConfigDict(extra="forbid")

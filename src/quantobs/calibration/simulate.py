@@ -10,6 +10,15 @@ static activations with our qparams, dynamic activations computed on the
 fly), which is what an inference engine computes from the checkpoint; its
 `ModelCompressor` writes the checkpoint from it.
 
+The copy starts without calibrated qparams (compressed-tensors sizes and
+types its own from the module's first parameter, which a leftover float8
+zero point would turn into float16 scales). Calibrated `Conv1D` layers
+(weights stored transposed, which compressed-tensors does not quantize)
+become the equivalent `nn.Linear` in the copy, targeted by name in their
+config group: the copy computes what the calibrated model would, but is no
+checkpoint transformers reloads as the model's class (`save_compressed`
+refuses them).
+
 Needs the `export` extra (compressed-tensors).
 """
 
@@ -27,6 +36,7 @@ from quantobs.calibration.attach import (
     attachment_of,
     detach,
 )
+from quantobs.calibration.transposed import as_linear, is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES
 
@@ -117,8 +127,8 @@ def _fill_qparams(
     lost = [
         f"{module}.{name}"
         for module, names in qparams.items()
-        for name in names
-        if (module, name) not in used
+        for name, value in names.items()
+        if (module, name) not in used and not _zero(name, value)
     ]
     if lost:
         raise ValueError(
@@ -188,6 +198,12 @@ def _model_format(formats: Mapping[str, str]) -> str:
     return stored.pop() if len(stored) == 1 else _MIXED
 
 
+def _zero(name: str, value: torch.Tensor) -> bool:
+    """Whether `name` is a zero point of zeros (symmetric args: nothing is
+    lost where compressed-tensors keeps none, as for the kv cache)."""
+    return name.endswith("_zero_point") and not bool(value.any())
+
+
 def _squeezed(shape: torch.Size) -> list[int]:
     """A qparam shape without its size-1 dims (`(C, 1)` and `(C,)` agree)."""
     return [size for size in shape if size != 1]
@@ -206,6 +222,31 @@ def _symmetric_zero_point(scheme: Any, name: str) -> bool:
     }.get(name.removesuffix("_zero_point"))
     args = getattr(scheme, part, None) if part else None
     return args is None or bool(args.symmetric)
+
+
+def _drop_calibrated(model: torch.nn.Module) -> None:
+    """Remove calibrated qparams from every module (the copy's own)."""
+    names = [f"{base}_{kind}" for base in BASE_NAMES for kind in QPARAM_KINDS]
+    for module in model.modules():
+        for name in names:
+            if name in module._parameters:
+                delattr(module, name)
+
+
+def _linearize(model: torch.nn.Module, attachment: Attachment, config: Any) -> None:
+    """Replace the calibrated `Conv1D` layers of the copy `model` by their
+    `nn.Linear`, each added by its exact name to its config group's targets
+    (exact names take precedence in compressed-tensors' matching)."""
+    for entry in attachment.entries:
+        if entry.base_name != "weight" or not is_transposed(entry.module):
+            continue
+        parent_name, _, leaf = entry.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = getattr(parent, leaf)
+        if not is_transposed(layer):  # pragma: no cover - replaced already
+            continue
+        setattr(parent, leaf, as_linear(layer))
+        config.config_groups[entry.group].targets.append(entry.name)
 
 
 def compressed_tensors_copy(
@@ -242,6 +283,8 @@ def compressed_tensors_copy(
         scheme.format = formats[group]
     clone = copy.deepcopy(model)
     detach(clone)  # the copy's observers and hooks; the model keeps its own
+    _drop_calibrated(clone)
+    _linearize(clone, attachment, config)
     apply_quantization_config(clone, config, show_progress=False)
     _check_schemes(clone, attachment)
     _fill_qparams(clone, qparams)
