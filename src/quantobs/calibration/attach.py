@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from quantobs.calibration.experts import expert_tag, linearize, restore
 from quantobs.calibration.recipe import Recipe, observer_for
 from quantobs.calibration.tokens import current_mask
 from quantobs.core.args import QuantizationArgs
@@ -120,12 +121,15 @@ class Attachment:
         handles: the hooks registered.
         attn_impl: the model's attention implementation before attach (None
             when no attention state is observed).
+        experts: the fused experts modules replaced while attached
+            (`quantobs.calibration.experts`), by name.
     """
 
     recipe: Recipe
     entries: list[Entry] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
     attn_impl: str | None = None
+    experts: list[str] = field(default_factory=list)
 
     def by_key(self) -> dict[str, Entry]:
         """Entries by `Entry.key`."""
@@ -397,8 +401,10 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
         raise RuntimeError("observers are already attached; call detach(model) first")
     recipe = Recipe.coerce(recipe)
     attachment = Attachment(recipe)
-    resolved = _resolve(model, recipe)
     try:
+        attachment.experts = linearize(model, recipe.ignore)
+        resolved = _resolve(model, recipe)
+        _keep_targeted_experts(model, attachment, resolved)
         attention = _add_observers(attachment, resolved)
         _add_hooks(attachment)
         if attention:
@@ -410,6 +416,18 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
         _drop_qparams(module)
     setattr(model, ATTACHMENT_ATTR, attachment)
     return attachment
+
+
+def _keep_targeted_experts(
+    model: torch.nn.Module,
+    attachment: Attachment,
+    resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
+) -> None:
+    """Put back the fused experts modules no config group reaches."""
+    reached = {tag.experts for _, m, _, _ in resolved if (tag := expert_tag(m))}
+    idle = [name for name in attachment.experts if name not in reached]
+    restore(model, idle)
+    attachment.experts = [name for name in attachment.experts if name in reached]
 
 
 def _drop_qparams(module: torch.nn.Module) -> None:
@@ -436,7 +454,9 @@ def _add_observers(
                 continue
             base = "q" if attn else _BASE[part]
             _check_takes(name, module, base, args)
-            _add(attachment, Entry(name, module, base, args, group))
+            # an expert's Linears see the real tokens routed to it already
+            masked = expert_tag(module) is None
+            _add(attachment, Entry(name, module, base, args, group, masked=masked))
             if attn:
                 attention[name] = module
         if attn and kv is not None and kv.dynamic is not True:
@@ -482,6 +502,7 @@ def _undo(model: torch.nn.Module, attachment: Attachment) -> None:
             entry.module.__dict__.pop(attr, None)
     if attachment.attn_impl is not None:
         model.set_attn_implementation(attachment.attn_impl)  # type: ignore[operator]
+    restore(model, attachment.experts)
     attachment.handles.clear()
 
 
