@@ -31,7 +31,7 @@ merges back into the fused parameters when it loads them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -50,6 +50,7 @@ __all__ = [
     "observe_all_experts",
     "projection_names",
     "restore",
+    "routed_tokens",
 ]
 
 #: The projections of one expert, by role, as most checkpoints name them.
@@ -57,7 +58,8 @@ _DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 # Attribute of a per-expert Linear holding its `ExpertTag`.
 _TAG = "_quantobs_expert"
 
-_ALL_EXPERTS: ContextVar[bool] = ContextVar("quantobs_all_experts", default=False)
+# None outside `calibrate` (no routing counted); else its `all_experts`
+_ALL_EXPERTS: ContextVar[bool | None] = ContextVar("quantobs_all_experts", default=None)
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,10 @@ def expert_tag(module: torch.nn.Module) -> ExpertTag | None:
 
 @contextmanager
 def observe_all_experts(enabled: bool = True) -> Iterator[None]:
-    """While the block runs, every real token reaches every expert's
-    observers (not only the experts it is routed to); outputs are unchanged."""
+    """While the block runs (`calibrate`'s batches), the tokens routed to
+    each expert are counted (`routed_tokens`) and, if `enabled`, every real
+    token reaches every expert's observers (not only the experts it is
+    routed to); outputs are unchanged."""
     token = _ALL_EXPERTS.set(enabled)
     try:
         yield
@@ -192,6 +196,8 @@ def _view_linear(weight: torch.Tensor) -> torch.nn.Linear:
 class _Expert(torch.nn.Module):
     """One expert: gate, up and down Linears under the checkpoint's names."""
 
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
     def __init__(
         self,
         names: tuple[str, str, str],
@@ -207,10 +213,15 @@ class _Expert(torch.nn.Module):
         # shared with the fused module (not a submodule: no second state)
         self.__dict__["act_fn"] = act_fn
 
-    def linears(self) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    def linears(self) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear]:
         """`(gate, up, down)`."""
         gate, up, down = (self._modules[n] for n in self.names)
-        assert gate is not None and up is not None and down is not None
+        if not (
+            isinstance(gate, torch.nn.Linear)
+            and isinstance(up, torch.nn.Linear)
+            and isinstance(down, torch.nn.Linear)
+        ):  # pragma: no cover - built so
+            raise TypeError(f"expert projections {self.names} are not Linears")
         return gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +245,9 @@ class CalibrationExperts(torch.nn.Module):
         num_experts: E.
         names: `(gate, up, down)` projection names.
         fused: the fused module it replaces (None in an export copy).
-        routed: `(E,)` int64, real tokens routed to each expert so far.
+        routed: `(E,)` int64, real tokens routed to each expert by the
+            batches `calibrate` ran so far.
+        calls: those batches.
     """
 
     def __init__(
@@ -258,6 +271,7 @@ class CalibrationExperts(torch.nn.Module):
             self.register_module(str(index), _Expert(names, gate, up, low, act_fn))
         self.__dict__["fused"] = fused
         self.routed = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.calls = 0
 
     def expert(self, index: int) -> _Expert:
         """Expert `index`."""
@@ -283,13 +297,15 @@ class CalibrationExperts(torch.nn.Module):
         """
         tokens = hidden_states.shape[0]
         real = _real_rows(tokens, hidden_states.device)  # (n,) or None: all
-        all_experts = _ALL_EXPERTS.get()
+        calibrating = _ALL_EXPERTS.get()
+        all_experts = bool(calibrating)
         with torch.no_grad():
             # (E, k, T): hits[e, j, t] = token t's j-th choice is expert e
             hits = torch.nn.functional.one_hot(top_k_index, self.num_experts)
             hits = hits.permute(2, 1, 0)
             per_expert = hits[..., real].sum((1, 2)) if real is not None else None
-            self._count(hits.sum((1, 2)) if per_expert is None else per_expert)
+            if calibrating is not None:
+                self._count(hits.sum((1, 2)) if per_expert is None else per_expert)
             if all_experts:
                 chosen = list(range(self.num_experts))
             else:
@@ -313,6 +329,7 @@ class CalibrationExperts(torch.nn.Module):
         return out
 
     def _count(self, counts: torch.Tensor) -> None:
+        self.calls += 1
         if self.routed.device != counts.device:
             self.routed = self.routed.to(counts.device)
         self.routed += counts.to(torch.int64)
@@ -450,9 +467,22 @@ def copy_memo(model: torch.nn.Module) -> dict[int, object]:
     `model` (its `CalibrationExperts` keep their own Linears instead)."""
     memo: dict[int, object] = {}
     for module in model.modules():
-        fused = module.__dict__.get("fused") if isinstance(
-            module, CalibrationExperts
-        ) else None
+        fused = (
+            module.__dict__.get("fused")
+            if isinstance(module, CalibrationExperts)
+            else None
+        )
         if fused is not None:
             memo[id(fused)] = None
     return memo
+
+
+def routed_tokens(model: torch.nn.Module) -> dict[str, int]:
+    """Real tokens routed to each expert of the model's `CalibrationExperts`
+    so far (`"...mlp.experts.3"` -> count); empty when none has run."""
+    found: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, CalibrationExperts) and module.calls:
+            for index, count in enumerate(module.routed.tolist()):
+                found[f"{name}.{index}"] = int(count)
+    return found

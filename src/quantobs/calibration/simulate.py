@@ -27,6 +27,7 @@ from quantobs.calibration.attach import (
     attachment_of,
     detach,
 )
+from quantobs.calibration.experts import copy_memo, keep_linear
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES
 
@@ -240,7 +241,9 @@ def compressed_tensors_copy(
     config = attachment.recipe.to_compressed_tensors(_model_format(formats))
     for group, scheme in config.config_groups.items():
         scheme.format = formats[group]
-    clone = copy.deepcopy(model)
+    # fused experts stay out of the copy: it keeps their per-expert Linears
+    clone = copy.deepcopy(model, copy_memo(model))
+    keep_linear(clone)
     detach(clone)  # the copy's observers and hooks; the model keeps its own
     apply_quantization_config(clone, config, show_progress=False)
     _check_schemes(clone, attachment)
