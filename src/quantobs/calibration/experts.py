@@ -25,8 +25,33 @@ output still sums only the routed experts' weighted outputs.
 The export copy (`quantobs.calibration.simulate`) keeps the per-expert
 `Linear`s (`keep_linear`): compressed-tensors quantizes and compresses each,
 and the checkpoint holds per-expert keys as the original checkpoints did
-(`model.layers.0.mlp.experts.0.gate_proj.weight_packed`), which transformers
-merges back into the fused parameters when it loads them.
+(`model.layers.0.mlp.experts.0.gate_proj.weight_packed`; Mixtral's
+`block_sparse_moe.experts.0.w1...`, as transformers renames them on save),
+the keys llm-compressor writes for linearized experts. transformers 5.17
+merges them back into the fused parameters when it loads them
+(`conversion_mapping.py`, with `DecompressExperts` prepended by
+`CompressedTensorsHfQuantizer.update_weight_conversions`), which handles
+part of what compressed-tensors stores (`reload_caveats`):
+
+    pack-quantized (W4A16, W8A16)   weight_packed, weight_scale, weight_shape:
+                                    reloaded exactly
+    float-quantized (FP8)           weight, weight_scale: reloaded, dequantized
+                                    in bfloat16 (exact for bfloat16 models)
+    int-quantized (W8A8)            its converter collects only weight_packed /
+                                    _scale / _shape keys: the int8 `weight`
+                                    keys match nothing and loading fails
+    nvfp4-pack-quantized (NVFP4)    weight_global_scale is not collected: the
+                                    experts decompress without it (wrong
+                                    weights; the keys are reported unexpected)
+    asymmetric weights              weight_zero_point is not collected either
+    static input activations        input_scale / input_global_scale: the fused
+                                    module has no place for them (unexpected
+                                    keys); its inputs are not quantized
+
+`save_compressed` writes the checkpoint all the same (it is what an
+inference engine that reads per-expert keys, as for llm-compressor's
+checkpoints, expects) and warns with `ExpertsReloadWarning` naming each
+caveat that applies.
 """
 
 from __future__ import annotations
@@ -35,20 +60,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantobs.calibration.tokens import current_mask
 
+if TYPE_CHECKING:
+    from quantobs.calibration.attach import Attachment
+
 __all__ = [
     "CalibrationExperts",
     "ExpertTag",
+    "ExpertsReloadWarning",
+    "copy_memo",
     "expert_tag",
     "is_fused_experts",
     "keep_linear",
     "linearize",
     "observe_all_experts",
     "projection_names",
+    "reload_caveats",
     "restore",
     "routed_tokens",
 ]
@@ -486,3 +518,54 @@ def routed_tokens(model: torch.nn.Module) -> dict[str, int]:
             for index, count in enumerate(module.routed.tolist()):
                 found[f"{name}.{index}"] = int(count)
     return found
+
+
+class ExpertsReloadWarning(UserWarning):
+    """A checkpoint with MoE experts that transformers cannot reload as
+    calibrated (see `reload_caveats`)."""
+
+
+def reload_caveats(attachment: Attachment, formats: dict[str, str]) -> list[str]:
+    """What transformers 5.17's `from_pretrained` loses of the checkpoint's
+    quantized experts (the module's docstring has the table); empty when it
+    reloads them as calibrated.
+
+    Args:
+        attachment: the calibrated model's attachment.
+        formats: `{config group: compressed-tensors format}` of the checkpoint.
+    """
+    found: list[str] = []
+    for entry in attachment.entries:
+        if expert_tag(entry.module) is None:
+            continue
+        args, fmt = entry.args, formats.get(entry.group, "")
+        if entry.base_name == "weight":
+            if fmt == "int-quantized":
+                found.append(
+                    "int-quantized experts do not load: transformers' expert "
+                    "converter collects only weight_packed / weight_scale / "
+                    "weight_shape keys, not the int8 `weight`"
+                )
+            if args.strategy == "tensor_group":
+                found.append(
+                    "experts decompress without their weight_global_scale "
+                    "(transformers' DecompressExperts does not collect it): the "
+                    "reloaded expert weights are wrong"
+                )
+            if not args.symmetric:
+                found.append(
+                    "experts decompress without their weight_zero_point "
+                    "(transformers' DecompressExperts does not collect it)"
+                )
+            if fmt == "float-quantized" and entry.observed_dtype() != torch.bfloat16:
+                found.append(
+                    "FP8 experts are dequantized in bfloat16 by transformers "
+                    f"(the model is {entry.observed_dtype()})"
+                )
+        elif entry.base_name == "input":
+            found.append(
+                "the experts' input scales are dropped (unexpected keys: the "
+                "fused experts module has no place for them), so the reloaded "
+                "experts do not quantize their inputs"
+            )
+    return list(dict.fromkeys(found))
