@@ -319,8 +319,9 @@ def test_weight_qparams_equal_llmcompressor_on_each_expert(
     scheme: str, batches: list[dict[str, torch.Tensor]]
 ) -> None:
     pytest.importorskip("llmcompressor")
-    dtype = torch.bfloat16 if scheme == "NVFP4" else torch.float32
-    model = _eager("qwen3_moe", dtype)
+    # float32 weights: on bfloat16 ones llm-compressor computes NVFP4 scales in
+    # bfloat16 arithmetic, quantobs in float32 (one group in ~100 differs)
+    model = _eager("qwen3_moe")
     recipe = Recipe.from_scheme(_w4a16() if scheme == "W4A16" else scheme)
     attach(model, Recipe(config_groups=recipe.config_groups, ignore=["lm_head"]))
     calibrate(model, batches[:1], progress=False)
@@ -436,11 +437,12 @@ def test_the_checkpoint_holds_every_expert_and_transformers_reloads_it(
     dropped = _DROPPED[scheme]
     unexpected = info["unexpected_keys"]
     assert all(".experts." in k and k.endswith(dropped) for k in unexpected)
-    assert len(unexpected) == 2 * 4 * 3 * len(dropped)
+    layers = sum(isinstance(m, CalibrationExperts) for m in model.modules())
+    assert len(unexpected) == layers * 4 * 3 * len(dropped)
 
     fake_quantized = compressed_tensors_copy(model)
     if scheme == "NVFP4":
-        _check_nvfp4_experts(model, out, loaded)
+        _check_nvfp4_experts(model, out, loaded, _PREFIX.get(family, "mlp"))
         return
     _without_expert_inputs(fake_quantized)  # what the reload keeps of them
     for found, expected in zip(
@@ -449,7 +451,7 @@ def test_the_checkpoint_holds_every_expert_and_transformers_reloads_it(
         assert torch.equal(found, expected)
 
 
-def _check_nvfp4_experts(model: Any, out: Path, loaded: Any) -> None:
+def _check_nvfp4_experts(model: Any, out: Path, loaded: Any, stored: str) -> None:
     """Our NVFP4 experts decompress (compressed-tensors, with their global
     scales) to the calibrated fake-quantized weights; transformers 5.17's
     reload, which drops the global scales, does not give them back."""
@@ -470,10 +472,11 @@ def _check_nvfp4_experts(model: Any, out: Path, loaded: Any) -> None:
     theirs = loaded.get_submodule(prefix)
     for index in range(4):
         linear = ours.expert(index).linears()[0]  # gate
-        key = f"{prefix}.{index}.{ours.names[0]}."
+        key = f"model.layers.1.{stored}.experts.{index}.{ours.names[0]}."
         own = {k[len(key) :]: v for k, v in tensors.items() if k.startswith(key)}
         found = compressor.decompress(own, scheme)["weight"]
-        args = attachment_of(model).by_key()[f"{prefix}.{index}.gate_proj.weight"].args
+        entry = f"{prefix}.{index}.{ours.names[0]}.weight"
+        args = attachment_of(model).by_key()[entry].args
         expected = fake_quantize(
             linear.weight,
             linear.weight_scale,
