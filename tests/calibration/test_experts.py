@@ -487,3 +487,27 @@ def _check_nvfp4_experts(model: Any, out: Path, loaded: Any, stored: str) -> Non
         assert torch.equal(found.to(expected.dtype), expected)
         inter = expected.shape[0]
         assert not torch.allclose(theirs.gate_up_proj[index, :inter], expected)
+
+
+class _TransposedExperts(torch.nn.Module):
+    """Fused experts in a layout quantobs does not observe (GPT-OSS-like)."""
+
+    is_transposed = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 8))  # (E, H, 2I)
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 4, 8))  # (E, I, H)
+        self.act_fn = torch.nn.SiLU()
+
+
+def test_experts_of_another_layout_are_refused_where_targeted() -> None:
+    model = torch.nn.ModuleDict(
+        {"proj": torch.nn.Linear(8, 8), "experts": _TransposedExperts()}
+    )
+    with pytest.raises(ValueError, match=r"'experts'.*transposed.*ignore list"):
+        attach(model, Recipe.from_scheme("FP8"))
+    attach(model, Recipe.from_scheme("FP8", ignore=["experts"]))
+    detach(model)
+    attach(model, Recipe.from_scheme("FP8", targets=["proj"]))  # not reached
+    assert [e.name for e in attachment_of(model).entries] == ["proj", "proj"]

@@ -11,7 +11,12 @@ attention implementation registered with transformers, which then calls the
 model's own. While `calibrate` runs a batch, hooks keep only its real tokens
 (`quantobs.calibration.tokens`: the attention mask). Weights are observed
 once, by `calibrate`. No hook keeps an activation after it returns.
-`detach(model)` removes every hook and observer (the qparams written stay).
+MoE experts stored as fused 3-D parameters are replaced, while attached, by
+per-expert Linears that recipes target like any other
+(`quantobs.calibration.experts`).
+`detach(model)` removes every hook and observer (the qparams written stay,
+except those of fused experts: `detach` puts the fused modules back, and
+their per-expert Linears go with their qparams; export before detaching).
 """
 
 from __future__ import annotations
@@ -402,7 +407,8 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
     recipe = Recipe.coerce(recipe)
     attachment = Attachment(recipe)
     try:
-        attachment.experts = linearize(model, recipe.ignore)
+        targets = [t for g in recipe.config_groups.values() for t in g.targets]
+        attachment.experts = linearize(model, targets, recipe.ignore)
         resolved = _resolve(model, recipe)
         _keep_targeted_experts(model, attachment, resolved)
         attention = _add_observers(attachment, resolved)

@@ -426,11 +426,16 @@ def _real_rows(tokens: int, device: torch.device) -> torch.Tensor | None:
 # ---------------------------------------------------------- attach / detach
 
 
-def linearize(model: torch.nn.Module, ignore: list[str]) -> list[str]:
+def linearize(
+    model: torch.nn.Module, targets: list[str], ignore: list[str]
+) -> list[str]:
     """Replace every fused experts module of `model` by a `CalibrationExperts`.
 
     Args:
         model: the model.
+        targets: the recipe's targets (a layout quantobs cannot observe is
+            an error only where they may reach it: `Linear`, or a name or
+            pattern matching the module or its per-expert projections).
         ignore: a recipe's ignore targets: a fused module they match whole
             (by name or class) is left alone.
 
@@ -451,6 +456,8 @@ def linearize(model: torch.nn.Module, ignore: list[str]) -> list[str]:
         if any(_matches(t, name, module) for t in ignore):
             continue
         why = _unsupported(module)
+        if why is not None and not _reached(name, module, targets, names):
+            continue
         if why is not None:
             raise ValueError(
                 f"cannot observe the experts {name!r} ({type(module).__name__}): "
@@ -467,6 +474,27 @@ def linearize(model: torch.nn.Module, ignore: list[str]) -> list[str]:
         model.set_submodule(name, calibration)
         replaced.append(name)
     return replaced
+
+
+def _reached(
+    name: str,
+    module: torch.nn.Module,
+    targets: list[str],
+    projections: tuple[str, str, str],
+) -> bool:
+    """Whether a target may mean the experts of fused module `name`."""
+    from quantobs.calibration.attach import _matches
+
+    linears = [f"{name}.0.{p}" for p in projections]
+    return any(
+        target == "Linear"
+        or _matches(target, name, module)
+        or (
+            target.startswith("re:")
+            and any(_matches(target, n, module) for n in linears)
+        )
+        for target in targets
+    )
 
 
 def restore(model: torch.nn.Module, names: list[str]) -> None:
