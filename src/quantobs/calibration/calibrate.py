@@ -67,8 +67,9 @@ class CalibrationReport:
             observer needs data: weight-only schemes).
         seconds: wall time of this call.
         experts: real tokens the router sent to each observed MoE expert
-            (`"...mlp.experts.3"` -> count) in all calibrate calls (this
-            process's; empty when no batch ran).
+            (`"...mlp.experts.3"` -> count) by the batches of every calibrate
+            call since attach (this process's; not kept by `save_state`;
+            empty when no batch ran).
         unrouted: experts no token was routed to (count 0).
         fallen_back: experts some of whose observers fell back to their
             siblings' range (`on_empty="fallback"`).
