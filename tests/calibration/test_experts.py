@@ -17,6 +17,7 @@ from quantobs.calibration.experts import (
     CalibrationExperts,
     ExpertsReloadWarning,
     expert_tag,
+    observe_all_experts,
 )
 from quantobs.calibration.export import save_compressed
 from quantobs.calibration.simulate import compressed_tensors_copy
@@ -118,6 +119,10 @@ def test_outputs_are_unchanged_and_detach_restores_the_fused_module(
             with real_tokens(batch):
                 found = model(**batch).logits[batch["attention_mask"].bool()]
             assert torch.equal(found, expected)
+            # every token through every expert: only the routed outputs count
+            with real_tokens(batch), observe_all_experts():
+                found = model(**batch).logits[batch["attention_mask"].bool()]
+            torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
     calibrate(model, batches, progress=False, all_experts=True)
     assert all(
         torch.equal(a, b) for a, b in zip(_logits(model, batches), before, strict=True)
@@ -511,3 +516,31 @@ def test_experts_of_another_layout_are_refused_where_targeted() -> None:
     detach(model)
     attach(model, Recipe.from_scheme("FP8", targets=["proj"]))  # not reached
     assert [e.name for e in attachment_of(model).entries] == ["proj", "proj"]
+
+
+def test_a_resumed_calibration_gives_the_same_expert_qparams(
+    batches: list[dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    from quantobs.calibration import load_state, save_state
+
+    def scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if ".experts." in n and n.endswith("_scale")
+        }
+
+    whole = _eager("qwen3_moe")
+    attach(whole, Recipe.from_scheme("FP8"))
+    calibrate(whole, batches, progress=False)
+    first = _eager("qwen3_moe")
+    attach(first, Recipe.from_scheme("FP8"))
+    calibrate(first, batches[:1], progress=False, on_empty="fallback")
+    save_state(first, tmp_path / "state.safetensors")
+    resumed = _eager("qwen3_moe")
+    attach(resumed, Recipe.from_scheme("FP8"))
+    load_state(resumed, tmp_path / "state.safetensors")
+    calibrate(resumed, batches[1:], progress=False)
+    expected, found = scales(whole), scales(resumed)
+    assert len(found) == 2 * 4 * 3 * 2
+    assert all(torch.equal(found[k], v) for k, v in expected.items())
