@@ -33,8 +33,8 @@ merges them back into the fused parameters when it loads them
 `CompressedTensorsHfQuantizer.update_weight_conversions`), which handles
 part of what compressed-tensors stores (`reload_caveats`):
 
-    pack-quantized (W4A16, W8A16)   weight_packed, weight_scale, weight_shape:
-                                    reloaded exactly
+    pack-quantized (W4A16, W8A16),  weight_packed, weight_scale, weight_shape:
+    mxfp4-pack-quantized (MXFP4A16) reloaded exactly
     float-quantized (FP8)           weight, weight_scale: reloaded, dequantized
                                     in bfloat16 (exact for bfloat16 models)
     int-quantized (W8A8)            its converter collects only weight_packed /
@@ -43,7 +43,8 @@ part of what compressed-tensors stores (`reload_caveats`):
     nvfp4-pack-quantized (NVFP4)    weight_global_scale is not collected: the
                                     experts decompress without it (wrong
                                     weights; the keys are reported unexpected)
-    asymmetric weights              weight_zero_point is not collected either
+    asymmetric weights              weight_zero_point is not collected either:
+                                    loading fails
     static input activations        input_scale / input_global_scale: the fused
                                     module has no place for them (unexpected
                                     keys); its inputs are not quantized
@@ -582,8 +583,10 @@ def reload_caveats(attachment: Attachment, formats: dict[str, str]) -> list[str]
                 )
             if not args.symmetric:
                 found.append(
-                    "experts decompress without their weight_zero_point "
-                    "(transformers' DecompressExperts does not collect it)"
+                    "asymmetric experts do not load: transformers' "
+                    "DecompressExperts does not collect weight_zero_point "
+                    "(compressed-tensors: 'Asymmetric quant requires zero-point "
+                    "values')"
                 )
             if fmt == "float-quantized" and entry.observed_dtype() != torch.bfloat16:
                 found.append(
