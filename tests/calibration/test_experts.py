@@ -547,3 +547,14 @@ def test_a_resumed_calibration_gives_the_same_expert_qparams(
     expected, found = scales(whole), scales(resumed)
     assert len(found) == 2 * 4 * 3 * 2
     assert all(torch.equal(found[k], v) for k, v in expected.items())
+
+
+def test_a_model_cast_while_attached_gets_its_experts_cast_back() -> None:
+    model = _eager("qwen3_moe")
+    attach(model, Recipe.from_scheme("FP8"))
+    model.to(torch.float64)  # the Linears' weights are cast, not the fused ones
+    detach(model)
+    experts = model.get_submodule("model.layers.1.mlp.experts")
+    assert experts.gate_up_proj.dtype == torch.float64
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))

@@ -500,11 +500,20 @@ def _reached(
 
 def restore(model: torch.nn.Module, names: list[str]) -> None:
     """Put the fused modules back in place of the `CalibrationExperts` named
-    (those of an export copy, which have none, stay)."""
+    (those of an export copy, which have none, stay), on the device and in
+    the dtype of their per-expert Linears (a model moved while attached
+    moves the Linears' weights, which then stop being views: move the model
+    before `attach`)."""
     for name in names:
         module = model.get_submodule(name)
         fused = getattr(module, "fused", None)
         if isinstance(module, CalibrationExperts) and fused is not None:
+            # a model moved or cast while attached moved the views alone
+            weight = module.expert(0).linears()[0].weight
+            if fused.gate_up_proj.device != weight.device or (
+                fused.gate_up_proj.dtype != weight.dtype
+            ):
+                fused.to(device=weight.device, dtype=weight.dtype)
             model.set_submodule(name, fused)
 
 
