@@ -19,8 +19,19 @@ are padding (`quantobs.calibration.tokens`) go through the experts they are
 routed to without being observed, so the model's output is the same and no
 expert's qparams depend on padding. `observe_all_experts()` (what
 `calibrate(..., all_experts=True)` turns on) feeds every real token to every
-expert's observers, as llm-compressor's `moe_calibrate_all_experts`; the
-output still sums only the routed experts' weighted outputs.
+expert's observers, as llm-compressor's `moe_calibrate_all_experts` (on by
+default there; off here, so that an expert's input ranges are those of the
+tokens it sees at inference); the output still sums only the routed
+experts' weighted outputs.
+
+The routers (`mlp.gate`) stay dense under the usual targets: in
+transformers 5 they are `*TopKRouter` modules, not `Linear`s, so `"Linear"`
+never reaches them (llm-compressor's examples ignore `re:.*mlp.gate$` for
+the same purpose; such an ignore is harmless here). Qwen2-MoE's
+`shared_expert_gate` is a `Linear` (one output) and is quantized unless
+ignored (`re:.*shared_expert_gate$`), as in llm-compressor. Move the model
+to its device and dtype before `attach`: the per-expert weights are views,
+which moving the model would turn into copies.
 
 The export copy (`quantobs.calibration.simulate`) keeps the per-expert
 `Linear`s (`keep_linear`): compressed-tensors quantizes and compresses each,
