@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import glob
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,18 @@ def _w4a16() -> QuantizationScheme:
     assert scheme.weights is not None
     weights = scheme.weights.model_copy(update={"group_size": 16})
     return scheme.model_copy(update={"weights": weights})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread (on a busy machine torch's thread
+    pool makes these tests ten times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
