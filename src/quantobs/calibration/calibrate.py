@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry, attachment_of
-from quantobs.calibration.experts import observe_all_experts, routed_tokens
+from quantobs.calibration.experts import (
+    observe_all_experts,
+    routed_tokens,
+    uncounted,
+)
 from quantobs.calibration.owners import broadcast_from_owners, owners_by_size
 from quantobs.calibration.qparams import (
     EmptyPolicy,
@@ -392,7 +396,8 @@ def _agree_references(
             entry.enabled = id(entry) in chosen
         tokens = {e.key: e.tokens for e in entries}
         try:
-            _forward(model, first)  # each reference from the first batch
+            with uncounted():  # that batch runs again with the others
+                _forward(model, first)  # each reference from the first batch
         finally:
             for entry in attachment.entries:
                 entry.enabled = True

@@ -95,6 +95,7 @@ __all__ = [
     "reload_caveats",
     "restore",
     "routed_tokens",
+    "uncounted",
 ]
 
 #: The projections of one expert, by role, as most checkpoints name them.
@@ -104,6 +105,7 @@ _TAG = "_quantobs_expert"
 
 # None outside `calibrate` (no routing counted); else its `all_experts`
 _ALL_EXPERTS: ContextVar[bool | None] = ContextVar("quantobs_all_experts", default=None)
+_UNCOUNTED: ContextVar[bool] = ContextVar("quantobs_uncounted", default=False)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,16 @@ def observe_all_experts(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _ALL_EXPERTS.reset(token)
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """While the block runs, routing is not counted (a batch run twice)."""
+    token = _UNCOUNTED.set(True)
+    try:
+        yield
+    finally:
+        _UNCOUNTED.reset(token)
 
 
 # ----------------------------------------------------------------- layout
@@ -348,7 +360,7 @@ class CalibrationExperts(torch.nn.Module):
             hits = torch.nn.functional.one_hot(top_k_index, self.num_experts)
             hits = hits.permute(2, 1, 0)
             per_expert = hits[..., real].sum((1, 2)) if real is not None else None
-            if calibrating is not None:
+            if calibrating is not None and not _UNCOUNTED.get():
                 self._count(hits.sum((1, 2)) if per_expert is None else per_expert)
             if all_experts:
                 chosen = list(range(self.num_experts))
