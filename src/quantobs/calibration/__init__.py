@@ -26,6 +26,7 @@ from quantobs.calibration.calibrate import (
     write_qparams,
 )
 from quantobs.calibration.distributed import sync_observers
+from quantobs.calibration.experts import ExpertsReloadWarning
 from quantobs.calibration.export import (
     SUPPORTED_FORMATS,
     checkpoint_formats,
@@ -46,6 +47,7 @@ __all__ = [
     "Attachment",
     "CalibrationReport",
     "Entry",
+    "ExpertsReloadWarning",
     "Recipe",
     "attach",
     "attachment_of",

@@ -17,7 +17,12 @@ whose `"Linear"` target misses a model's `Conv1D` layers, is refused.
 While `calibrate` runs a batch, hooks keep only its real tokens
 (`quantobs.calibration.tokens`: the attention mask). Weights are observed
 once, by `calibrate`. No hook keeps an activation after it returns.
-`detach(model)` removes every hook and observer (the qparams written stay).
+MoE experts stored as fused 3-D parameters are replaced, while attached, by
+per-expert Linears that recipes target like any other
+(`quantobs.calibration.experts`).
+`detach(model)` removes every hook and observer (the qparams written stay,
+except those of fused experts: `detach` puts the fused modules back, and
+their per-expert Linears go with their qparams; export before detaching).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from quantobs.calibration.attention import (
     is_cached_attention,
     unhook_attention,
 )
+from quantobs.calibration.experts import expert_tag, linearize, restore
 from quantobs.calibration.recipe import Recipe, observer_for
 from quantobs.calibration.tokens import current_mask
 from quantobs.calibration.transposed import linear_weight, transposed_layers
@@ -135,12 +141,15 @@ class Attachment:
         attn_impl: the model's attention implementation before attach (None
             when no query state is observed: keys and values are observed at
             the cache, without it).
+        experts: the fused experts modules replaced while attached
+            (`quantobs.calibration.experts`), by name.
     """
 
     recipe: Recipe
     entries: list[Entry] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
     attn_impl: str | None = None
+    experts: list[str] = field(default_factory=list)
 
     def by_key(self) -> dict[str, Entry]:
         """Entries by `Entry.key`."""
@@ -343,17 +352,20 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
         raise RuntimeError("observers are already attached; call detach(model) first")
     recipe = Recipe.coerce(recipe)
     attachment = Attachment(recipe)
-    resolved = _resolve(model, recipe)
-    _check_transposed(model, recipe, resolved)
-    _check_quantizes(model, recipe, resolved)
-    kv_modules = (
-        []
-        if recipe.kv_cache_scheme is None
-        else check_kv_cache(
-            model, recipe.kv_cache_scheme, lambda n, m: _ignored_by(recipe, n, m)
-        )
-    )
     try:
+        targets = [t for g in recipe.config_groups.values() for t in g.targets]
+        attachment.experts = linearize(model, targets, recipe.ignore)
+        resolved = _resolve(model, recipe)
+        _keep_targeted_experts(model, attachment, resolved)
+        _check_transposed(model, recipe, resolved)
+        _check_quantizes(model, recipe, resolved)
+        kv_modules = (
+            []
+            if recipe.kv_cache_scheme is None
+            else check_kv_cache(
+                model, recipe.kv_cache_scheme, lambda n, m: _ignored_by(recipe, n, m)
+            )
+        )
         _add_observers(model, attachment, resolved)
         _add_kv_observers(attachment, kv_modules)
         _sort_entries(model, attachment)
@@ -368,6 +380,18 @@ def attach(model: torch.nn.Module, recipe: Any) -> Attachment:
         _drop_qparams(module)
     setattr(model, ATTACHMENT_ATTR, attachment)
     return attachment
+
+
+def _keep_targeted_experts(
+    model: torch.nn.Module,
+    attachment: Attachment,
+    resolved: list[tuple[str, torch.nn.Module, str, QuantizationScheme]],
+) -> None:
+    """Put back the fused experts modules no config group reaches."""
+    reached = {tag.experts for _, m, _, _ in resolved if (tag := expert_tag(m))}
+    idle = [name for name in attachment.experts if name not in reached]
+    restore(model, idle)
+    attachment.experts = [name for name in attachment.experts if name in reached]
 
 
 def _drop_qparams(module: torch.nn.Module) -> None:
@@ -477,9 +501,14 @@ def _add_observers(
                 bases = ["q", "k", "v"]
             elif attn:
                 bases = ["q"]
+            # an expert's Linears see the real tokens routed to it already
+            masked = expert_tag(module) is None
             for base in bases:
                 _check_takes(name, module, base, args)
-                _add(attachment, Entry(name, module, base, args, group))
+                _add(
+                    attachment,
+                    Entry(name, module, base, args, group, masked=masked),
+                )
 
 
 def _narrow(model: torch.nn.Module, name: str, scheme: QuantizationScheme) -> bool:
@@ -559,6 +588,7 @@ def _undo(model: torch.nn.Module, attachment: Attachment) -> None:
     unhook_attention(
         model, (e.module for e in attachment.entries), attachment.attn_impl
     )
+    restore(model, attachment.experts)
     attachment.handles.clear()
 
 

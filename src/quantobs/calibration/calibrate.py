@@ -26,11 +26,17 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry, attachment_of
+from quantobs.calibration.experts import (
+    observe_all_experts,
+    routed_tokens,
+    uncounted,
+)
 from quantobs.calibration.owners import broadcast_from_owners, owners_by_size
 from quantobs.calibration.qparams import (
     EmptyPolicy,
     QParams,
     compute_qparams,
+    empty_experts,
     fused_groups,
     set_qparams,
 )
@@ -64,6 +70,13 @@ class CalibrationReport:
         batches: batches run by this call (this process's; 0 when no
             observer needs data: weight-only schemes).
         seconds: wall time of this call.
+        experts: real tokens the router sent to each observed MoE expert
+            (`"...mlp.experts.3"` -> count) by the batches of every calibrate
+            call since attach (this process's; not kept by `save_state`;
+            empty when no batch ran).
+        unrouted: experts no token was routed to (count 0).
+        fallen_back: experts some of whose observers fell back to their
+            siblings' range (`on_empty="fallback"`).
     """
 
     modules: list[str] = field(default_factory=list)
@@ -71,6 +84,9 @@ class CalibrationReport:
     empty: list[str] = field(default_factory=list)
     batches: int = 0
     seconds: float = 0.0
+    experts: dict[str, int] = field(default_factory=dict)
+    unrouted: list[str] = field(default_factory=list)
+    fallen_back: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         data = (
@@ -86,6 +102,18 @@ class CalibrationReport:
             lines.append(
                 f"tokens per observer: min {counts[0]}, max {counts[-1]} "
                 f"({len(counts)} observers)"
+            )
+        if self.experts:
+            counts = sorted(self.experts.values())
+            lines.append(
+                f"tokens per expert: min {counts[0]}, max {counts[-1]} "
+                f"({len(counts)} experts)"
+            )
+        if self.unrouted:
+            lines.append(f"experts no token was routed to: {', '.join(self.unrouted)}")
+        if self.fallen_back:
+            lines.append(
+                f"experts with siblings' ranges: {', '.join(self.fallen_back)}"
             )
         if self.empty:
             lines.append(f"saw no data (fallback range): {', '.join(self.empty)}")
@@ -224,6 +252,7 @@ def calibrate(
     on_empty: EmptyPolicy = "raise",
     sync: bool = False,
     process_group: Any = None,
+    all_experts: bool = False,
 ) -> CalibrationReport:
     """Run the batches through the model with its observers, write the qparams.
 
@@ -241,6 +270,11 @@ def calibrate(
         sync: all-reduce the statistics across the processes of
             `torch.distributed` (each process passes its shard of batches).
         process_group: the process group to sync over (default: world).
+        all_experts: feed every real token to every MoE expert's observers
+            (llm-compressor's `moe_calibrate_all_experts`), not only the
+            tokens routed to it; the model's outputs are unchanged (only the
+            routed experts' outputs are summed). Off by default: an expert's
+            inputs are then those it sees at inference.
 
     Returns:
         The `CalibrationReport`.
@@ -271,7 +305,7 @@ def calibrate(
         batches, first = _peek(batches)
     mine = [e for g in owned for e in g]
     late = [e for e in mine if _gathers_importance(e)]  # need the batches first
-    with torch.no_grad():
+    with torch.no_grad(), observe_all_experts(all_experts):
         _observe_weights(
             e for e in mine if e not in late and not e.observer.has_statistics
         )
@@ -298,12 +332,17 @@ def calibrate(
     if sync:
         tokens = _summed_tokens(tokens, process_group)
         _keep_totals_on_first(attachment, tokens, process_group)
+    by_key = attachment.by_key()
+    experts = routed_tokens(model)
     return CalibrationReport(
         modules=modules,
         tokens=tokens,
         empty=fell_back,
         batches=count,
         seconds=time.perf_counter() - start,
+        experts=experts,
+        unrouted=[name for name, n in experts.items() if not n],
+        fallen_back=empty_experts(by_key[k] for k in fell_back),
     )
 
 
@@ -357,7 +396,8 @@ def _agree_references(
             entry.enabled = id(entry) in chosen
         tokens = {e.key: e.tokens for e in entries}
         try:
-            _forward(model, first)  # each reference from the first batch
+            with uncounted():  # that batch runs again with the others
+                _forward(model, first)  # each reference from the first batch
         finally:
             for entry in attachment.entries:
                 entry.enabled = True

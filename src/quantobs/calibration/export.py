@@ -29,6 +29,12 @@ treats the module as attention (`quantobs.calibration.attention`: a
 transformers loads a quantized `Conv1D` (evaluate them through
 `simulate.compressed_tensors_copy`, which holds their Linear equivalent).
 
+MoE experts stored as fused 3-D parameters are written per expert, under
+the names of the original checkpoints (`quantobs.calibration.experts`);
+where transformers cannot reload them as calibrated (int-quantized, NVFP4,
+asymmetric weights, static input scales), `save_compressed` warns with
+`ExpertsReloadWarning` and says why.
+
 Nothing half-written is left behind: the checkpoint is written into a hidden
 temporary directory beside `out_dir`, which is renamed into place once
 complete and removed on any failure.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import attachment_of
+from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
 from quantobs.calibration.transposed import is_transposed
@@ -397,6 +405,15 @@ def save_compressed(
     _refuse_transposed(attachment)
     formats = checkpoint_formats(attachment.recipe, format)
     calibrated_qparams(attachment)  # not calibrated: fail before any write
+    caveats = reload_caveats(attachment, formats)
+    if caveats:
+        warnings.warn(
+            "the checkpoint's MoE experts are written per expert (as "
+            "llm-compressor writes them), but transformers' from_pretrained "
+            "does not reload them as calibrated: " + "; ".join(caveats),
+            ExpertsReloadWarning,
+            stacklevel=2,
+        )
     source = _default_source(model) if source_dir is None else Path(source_dir)
     if source is not None and not source.is_dir():
         raise FileNotFoundError(f"source_dir {source} is not a directory")

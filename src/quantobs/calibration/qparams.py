@@ -11,10 +11,11 @@ share one weight global scale, from the largest absmax of the group, as vLLM
 requires.
 
 An activation observer that saw no data (an MoE expert no token reached)
-never gets a made-up scale silently: `on_empty="raise"` names the modules;
-`on_empty="fallback"` warns and uses the union of the ranges its siblings
-chose (same config group, tensor and args), or `DEFAULT_EMPTY_RANGE` when
-none saw data either.
+never gets a made-up scale silently: `on_empty="raise"` names the modules
+(and the experts); `on_empty="fallback"` warns and uses the union of the
+ranges its siblings chose (same config group, tensor and args; for an
+expert's projection, the same projection of the other experts of its layer),
+or `DEFAULT_EMPTY_RANGE` when none saw data either.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Literal
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry
+from quantobs.calibration.experts import ExpertTag, expert_tag
 from quantobs.calibration.transposed import linear_weight
 from quantobs.core.layout import qparam_shape
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
@@ -36,6 +38,7 @@ __all__ = [
     "EmptyPolicy",
     "QParams",
     "compute_qparams",
+    "empty_experts",
     "fused_groups",
     "set_qparams",
 ]
@@ -130,10 +133,17 @@ def _activation_qparams(
             empty.append(entry)
     if empty and on_empty == "raise":
         names = ", ".join(e.key for e in empty)
+        experts = empty_experts(empty)
+        routed = (
+            f" (experts no token was routed to: {', '.join(experts)}; "
+            "calibrate(..., all_experts=True) feeds every token to every expert)"
+            if experts
+            else ""
+        )
         raise RuntimeError(
-            f"{len(empty)} observer(s) saw no data: {names}; calibrate with data "
-            "that reaches them, or pass on_empty='fallback' to use their "
-            "siblings' ranges"
+            f"{len(empty)} observer(s) saw no data: {names}{routed}; calibrate "
+            "with data that reaches them, or pass on_empty='fallback' to use "
+            "their siblings' ranges"
         )
     for entry in empty:
         ranges[entry.key] = _fallback_range(entry, entries, ranges)
@@ -171,6 +181,7 @@ def _fallback_range(
     entries: Iterable[Entry],
     ranges: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    tag = expert_tag(entry.module)
     siblings = [
         ranges[e.key]
         for e in entries
@@ -179,6 +190,7 @@ def _fallback_range(
         and e.base_name == entry.base_name
         and e.args == entry.args
         and e.observer.has_statistics
+        and _same_projection(tag, e)
     ]
     shape = _expected_shape(entry)
     siblings = [r for r in siblings if shape is None or tuple(r[0].shape) == shape]
@@ -196,6 +208,26 @@ def _fallback_range(
         torch.full(shape, DEFAULT_EMPTY_RANGE[0]),
         torch.full(shape, DEFAULT_EMPTY_RANGE[1]),
     )
+
+
+def _same_projection(tag: ExpertTag | None, entry: Entry) -> bool:
+    """Whether `entry` may lend its range to an entry of expert tag `tag`:
+    any entry for a non-expert; the same projection of the same layer's
+    experts for an expert."""
+    if tag is None:
+        return True
+    other = expert_tag(entry.module)
+    return (
+        other is not None
+        and tag.experts == other.experts
+        and tag.projection == other.projection
+    )
+
+
+def empty_experts(entries: Iterable[Entry]) -> list[str]:
+    """The experts (`...mlp.experts.3`) some of `entries` belong to, in order."""
+    found = [tag.expert for e in entries if (tag := expert_tag(e.module))]
+    return list(dict.fromkeys(found))
 
 
 def compute_qparams(

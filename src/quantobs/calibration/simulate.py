@@ -36,6 +36,7 @@ from quantobs.calibration.attach import (
     attachment_of,
     detach,
 )
+from quantobs.calibration.experts import copy_memo, keep_linear
 from quantobs.calibration.transposed import as_linear, is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES
@@ -281,7 +282,9 @@ def compressed_tensors_copy(
     config = attachment.recipe.to_compressed_tensors(_model_format(formats))
     for group, scheme in config.config_groups.items():
         scheme.format = formats[group]
-    clone = copy.deepcopy(model)
+    # fused experts stay out of the copy: it keeps their per-expert Linears
+    clone = copy.deepcopy(model, copy_memo(model))
+    keep_linear(clone)
     detach(clone)  # the copy's observers and hooks; the model keeps its own
     _drop_calibrated(clone)
     _linearize(clone, attachment, config)
