@@ -79,7 +79,7 @@ def test_conv1d_inputs_observed() -> None:
 
 def test_as_linear_computes_the_same() -> None:
     layer = build_decoder("gpt2").transformer.h[0].attn.c_attn
-    x = torch.randn(3, 5, 64)
+    x = torch.randn(3, 5, layer.weight.shape[0])  # (B, S, in)
     with torch.no_grad():
         torch.testing.assert_close(as_linear(layer)(x), layer(x))
 
