@@ -27,6 +27,22 @@ non-finite or out-of-range result:
   afterwards with its own precision (FP8 group scales keep their subnormals,
   as compressed-tensors stores them).
 
+Observed dtype. compressed-tensors computes in the dtype of the values
+observed (llm-compressor keeps bfloat16 / float16 statistics in it): a
+symmetric scale `amax / ((qmax - qmin) / 2)` is rounded to that dtype, and
+so is NVFP4's global scale `448 * 6 / amax` (twice: torch divides a number
+by a tensor as `reciprocal(amax) * 2688`), before `.to(float32)`. With
+`observed_dtype=torch.bfloat16` or `torch.float16` the rule does the same
+(`observed_dtype=None`, float32 or float64: float32 arithmetic, unchanged),
+so NVFP4 global and group scales of bfloat16 / float16 models equal
+llm-compressor's. Measured on bfloat16 weights, the peer's rounding moves a
+global scale by up to 2**-9 relative (e.g. 6255.709 -> 6272.0) and with it
+the e4m3 group scales it multiplies (one e4m3 step in a few groups). In
+float16 a global scale above 65504 (an absmax below 448 * 6 / 65504, about
+0.041) overflows and becomes 1.0, as in llm-compressor: the group scales are
+then the bare `amax / 6` in e4m3, whose subnormals lose precision. An
+observer's `arithmetic="float32"` option keeps float32 arithmetic instead.
+
 MX scales (and optional power-of-two scales of other args) use
 `quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
 mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
@@ -169,6 +185,7 @@ def calculate_qparams(
     *,
     pow2: Pow2Rounding | None = None,
     empty_as_zero: bool = False,
+    observed_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from a range, per quantization parameter.
 
@@ -191,6 +208,10 @@ def calculate_qparams(
             no rounding).
         empty_as_zero: treat a range with `min > max` (an observer's qparam
             that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
+        observed_dtype: dtype of the values the range came from; bfloat16 /
+            float16 round symmetric (non-MX) scales to it before the global
+            scale multiplies them, as compressed-tensors computes in it (the
+            zero-scale replacement is then its eps); None: float32.
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -208,9 +229,20 @@ def calculate_qparams(
         check_global_scale(global_scale)
     if args.symmetric and not args.is_mx and pow2 is None:
         gscale = None if global_scale is None else float(global_scale.float())
-        scale = _symmetric_scales(
-            min_vals, max_vals, args.format, args.scale_dtype, gscale, empty_as_zero
-        )
+        rounded = _rounded_dtype(observed_dtype)
+        if rounded is not None:
+            scale = _rounded_symmetric_scales(
+                min_vals, max_vals, args, gscale, empty_as_zero, rounded
+            )
+        else:
+            scale = _symmetric_scales(
+                min_vals,
+                max_vals,
+                args.format,
+                args.scale_dtype,
+                gscale,
+                empty_as_zero,
+            )
         if _may_be_subnormal(args.scale_dtype, scale.dtype):
             scale = _floor_positive(scale)
         return _with_zero_point(scale, None, args)
@@ -284,6 +316,17 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: observed dtypes whose rounding compressed-tensors' arithmetic keeps
+_ROUNDED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _rounded_dtype(observed_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype compressed-tensors' arithmetic rounds to for values observed
+    in `observed_dtype`: bfloat16 / float16; None (float32 arithmetic) for
+    None and wider dtypes."""
+    return observed_dtype if observed_dtype in _ROUNDED_DTYPES else None
+
+
 def _amax(
     min_vals: torch.Tensor, max_vals: torch.Tensor, work: torch.dtype
 ) -> torch.Tensor:
@@ -332,6 +375,40 @@ def _symmetric_scales(
     scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
     gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
     return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype)
+
+
+def _rounded_symmetric_scales(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: float | None,
+    empty_as_zero: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Symmetric (non-MX) scales in compressed-tensors' arithmetic on values
+    of `dtype` (bfloat16 / float16): `amax / ((qmax - qmin) / 2)` computed in
+    `dtype` (one rounding), then in float32 times the global scale, rounded
+    to `scale_dtype`, zeros -> the eps of `scale_dtype`, else of `dtype`."""
+    if empty_as_zero:
+        min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    _check_range(min_vals, max_vals)
+    fmt, work = args.format, _work_dtype(min_vals.dtype)
+    # (*Q,) amax of values of `dtype`: exact in it
+    amax = _amax(min_vals, max_vals, work).to(dtype)
+    half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
+    scale = (amax / half_range).to(work)
+    if global_scale is not None:
+        scale = torch.tensor(global_scale, dtype=work) * scale
+        if not bool(torch.isfinite(scale.amax())):
+            raise ValueError(
+                "global_scale * scale overflowed; the global scale is too large "
+                "for this range (compute it with generate_gparam)"
+            )
+    if args.scale_dtype is not None:
+        scale = _round_to_dtype(scale, args.scale_dtype)
+    scale = scale.to(min_vals.dtype)
+    eps = _zero_scale_replacement(args.scale_dtype or dtype)
+    return scale.masked_fill_(scale <= 0, eps)
 
 
 def _symmetric_scales_native(
@@ -387,12 +464,15 @@ class CompressedTensorsRule:
         args: the quantization args.
         pow2: power-of-two rounding (see `calculate_qparams`).
         empty_as_zero: ranges with `min > max` count as `(0, 0)`.
+        observed_dtype: dtype of the observed values (bfloat16 / float16:
+            compressed-tensors' rounding in it; None: float32 arithmetic).
     """
 
     name: ClassVar[str] = "compressed_tensors"
     args: QuantizationArgs
     pow2: Pow2Rounding | None = None
     empty_as_zero: bool = False
+    observed_dtype: torch.dtype | None = None
 
     def __call__(
         self,
@@ -408,6 +488,7 @@ class CompressedTensorsRule:
             global_scale,
             pow2=self.pow2,
             empty_as_zero=self.empty_as_zero,
+            observed_dtype=self.observed_dtype,
         )
 
 
@@ -435,6 +516,8 @@ def amax_to_global_scale(
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    observed_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """NVFP4 global scale `scale_max * quant_max / amax` (448 * 6 / amax).
 
@@ -447,6 +530,10 @@ def amax_to_global_scale(
         scale_format: format of the local (group) scales.
         quant_format: format of the quantized values.
         dtype: dtype of the result.
+        observed_dtype: dtype of the values `amax` came from; bfloat16 /
+            float16 compute the quotient in it as compressed-tensors does
+            (`reciprocal(amax) * 2688`, each rounded; float16 overflows to
+            1.0 below an amax of about 0.041); None: float32.
 
     Returns:
         `(1,)` global scale in `dtype`.
@@ -462,7 +549,9 @@ def amax_to_global_scale(
             "amax is not finite (NaN or inf); drop non-finite inputs before "
             "computing a global scale"
         )
-    amax = amax.to(torch.float32).abs().clamp(min=torch.finfo(torch.float32).tiny)
+    work = _rounded_dtype(observed_dtype) or torch.float32
+    # a (1,)-like amax of values of `work` (exact in it)
+    amax = amax.to(torch.float32).abs().to(work).clamp(min=torch.finfo(work).tiny)
     global_scale = (scale_fmt.max * quant_fmt.max) / amax
     global_scale = torch.where(
         torch.isfinite(global_scale), global_scale, torch.ones_like(global_scale)
@@ -476,6 +565,8 @@ def generate_gparam(
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    observed_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Global scale from a tensor's range (compressed-tensors' `generate_gparam`).
 
@@ -485,6 +576,8 @@ def generate_gparam(
         scale_format: format of the local scales (FP8 e4m3 for NVFP4).
         quant_format: format of the values (FP4 e2m1 for NVFP4).
         dtype: dtype of the result.
+        observed_dtype: dtype of the observed values (see
+            `amax_to_global_scale`).
 
     Returns:
         `(1,)` global scale, see `amax_to_global_scale`.
@@ -496,7 +589,9 @@ def generate_gparam(
     )
     if amax.numel() != 1:
         amax = amax.max()
-    return amax_to_global_scale(amax, scale_format, quant_format, dtype)
+    return amax_to_global_scale(
+        amax, scale_format, quant_format, dtype, observed_dtype=observed_dtype
+    )
 
 
 def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
