@@ -397,8 +397,10 @@ def _rounded_symmetric_scales(
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals)
     fmt, work = args.format, _work_dtype(min_vals.dtype)
-    # (*Q,) amax of values of `dtype`: exact in it
-    amax = _amax(min_vals, max_vals, work).to(dtype)
+    # (*Q,) amax of values of `dtype`: exact in it (a searched range past its
+    # max saturates)
+    amax = _amax(min_vals, max_vals, work).clamp_(max=torch.finfo(dtype).max)
+    amax = amax.to(dtype)
     half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
     scale = (amax / half_range).to(work)
     if global_scale is not None:
@@ -555,9 +557,11 @@ def amax_to_global_scale(
         )
     work = _rounded_dtype(observed_dtype) or torch.float32
     product = scale_fmt.max * quant_fmt.max
-    # a (1,)-like amax of values of `work` (exact in it)
+    # a (1,)-like amax of values of `work` (exact in it; a searched range
+    # past its max saturates)
     amax = amax.to(torch.float32).abs()
-    rounded = amax.to(work).clamp(min=torch.finfo(work).tiny)
+    info = torch.finfo(work)
+    rounded = amax.clamp(info.tiny, info.max).to(work)
     global_scale = product / rounded
     finite = torch.isfinite(global_scale)
     if work == torch.float16 and not bool(finite.all()):
