@@ -102,7 +102,8 @@ def _ours(directory: Path, scheme: str) -> dict[str, torch.Tensor]:
     tokenizer = tiny_tokenizer()
     # llm-compressor calibrates under eager attention (`calibration_forward_
     # context` -> `use_eager_attention`); sdpa's activations differ in the
-    # last bits (Gemma-2: 1.2e-5 relative)
+    # last bits, and Gemma-2's under sdpa skip its attention logit
+    # soft-capping (1.2e-5 relative here)
     model = _load(directory, attn="eager")
     attach(model, Recipe.from_scheme(scheme, ignore=["lm_head"]))
     one_per_batch = [
