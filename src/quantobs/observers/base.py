@@ -59,10 +59,11 @@ class ObserverOptions(BaseModel):
     Attributes:
         nan_policy: `"raise"` (default) raises `ValueError` on NaN/inf input;
             `"omit"` ignores non-finite values.
-        arithmetic: `"observed"` (default) computes scales as
+        arithmetic: `"observed"` (default) computes qparams as
             compressed-tensors does on the observed dtype: bfloat16 / float16
-            values give NVFP4 global and group scales rounded in it, equal to
-            llm-compressor's; `"float32"` computes them in float32 (see
+            values give NVFP4 global and group scales, and asymmetric scales
+            and zero points, rounded in it, equal to llm-compressor's;
+            `"float32"` computes them in float32 (see
             `quantobs.core.qparams.compressed_tensors` for the measured
             difference). float32 / float64 inputs give the same either way.
     """

@@ -31,11 +31,15 @@ Observed dtype. compressed-tensors computes in the dtype of the values
 observed (llm-compressor keeps bfloat16 / float16 statistics in it): a
 symmetric scale `amax / ((qmax - qmin) / 2)` is rounded to that dtype, and
 so is NVFP4's global scale `448 * 6 / amax` (twice: torch divides a number
-by a tensor as `reciprocal(amax) * 2688`), before `.to(float32)`. With
+by a tensor as `reciprocal(amax) * 2688`), before `.to(float32)`; an
+asymmetric scale and zero point are rounded at every step (`max - min`, the
+quotient, `min / scale`, `qmin - min / scale`). With
 `observed_dtype=torch.bfloat16` or `torch.float16` the rule does the same
 (`observed_dtype=None`, float32 or float64: float32 arithmetic, unchanged),
-so NVFP4 global and group scales of bfloat16 / float16 models equal
-llm-compressor's. Measured on random 1024x1024 weights: the rounding moves a
+so the scales and zero points of bfloat16 / float16 models equal
+llm-compressor's once stored (float32 arithmetic stores a different
+asymmetric scale in about 20% of int4 / int8 groups and channels, zero point
+in 1-30%). Measured on random 1024x1024 weights: the rounding moves a
 bfloat16 global scale by up to 3.9e-3 relative (e.g. 6255.709 -> 6272.0), a
 float16 one by up to 4.5e-4, and with it the e4m3 group scales it multiplies
 (one e4m3 step in about 3% of the groups); the squared error of the fake-quantized
@@ -214,8 +218,9 @@ def calculate_qparams(
             that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
         observed_dtype: dtype of the values the range came from; bfloat16 /
             float16 round symmetric (non-MX) scales to it before the global
-            scale multiplies them, as compressed-tensors computes in it (the
-            zero-scale replacement is then its eps); None: float32.
+            scale multiplies them, and asymmetric scales and zero points at
+            each step, as compressed-tensors computes in it (the zero-scale
+            replacement is then its eps); None: float32.
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -231,9 +236,9 @@ def calculate_qparams(
     _check_range_types(min_vals, max_vals)
     if global_scale is not None:
         check_global_scale(global_scale)
+    rounded = _rounded_dtype(observed_dtype)
     if args.symmetric and not args.is_mx and pow2 is None:
         gscale = None if global_scale is None else float(global_scale.float())
-        rounded = _rounded_dtype(observed_dtype)
         if rounded is not None:
             scale = _rounded_symmetric_scales(
                 min_vals, max_vals, args, gscale, empty_as_zero, rounded
@@ -266,6 +271,8 @@ def calculate_qparams(
         else:
             scale = amax.div_((qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below
+    elif rounded is not None and pow2 is None:
+        scale, zero_point = _rounded_asymmetric(min_vals, max_vals, qmin, qmax, rounded)
     else:
         min_vals = torch.clamp(min_vals.to(work), max=0.0)
         max_vals = torch.clamp(max_vals.to(work), min=0.0)
@@ -285,8 +292,42 @@ def calculate_qparams(
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
     scale_dtype = None if args.is_mx else args.scale_dtype
     global_work = None if global_scale is None else global_scale.to(work)
-    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype)
+    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype, rounded)
     return _with_zero_point(scale, zero_point, args)
+
+
+def _rounded_asymmetric(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    qmin: float,
+    qmax: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric `(scale, zero_point)` in compressed-tensors' arithmetic on
+    values of `dtype` (bfloat16 / float16): `max - min`, its quotient by
+    `qmax - qmin`, `min / scale` and `qmin - min / scale` each rounded to
+    `dtype`. The guards of the float32 path stay: an overflowing `max - min`
+    is divided term by term, a subnormal scale floored to float32's tiny, an
+    all-zero range gets the zero point `qmin`.
+
+    Returns:
+        `(scale, zero_point)`: `(*Q,)` float32 scales (values of `dtype`)
+        and `(*Q,)` zero points in `dtype`, in `[qmin, qmax]`, unrounded.
+    """
+    work, info = _work_dtype(min_vals.dtype), torch.finfo(dtype)
+    # (*Q,) range ends of values of `dtype` (a searched range past it saturates)
+    low = min_vals.to(work).clamp(info.min, 0.0).to(dtype)
+    high = max_vals.to(work).clamp(0.0, info.max).to(dtype)
+    span = torch.tensor(qmax - qmin, dtype=dtype)
+    scale = (high - low) / span
+    wide = ~torch.isfinite(scale)  # max - min overflowed
+    if wide.any():
+        scale = torch.where(wide, high / span - low / span, scale)
+    scale = _floor_subnormal(scale.to(work), work).to(dtype)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    # low == 0 wherever scale == 0, so the zero point is qmin there.
+    zero_point = torch.clamp(qmin - low / safe, qmin, qmax)
+    return scale.to(work), zero_point
 
 
 def _may_be_subnormal(scale_dtype: torch.dtype | None, dtype: torch.dtype) -> bool:
@@ -344,9 +385,11 @@ def _finish_scale(
     global_scale: torch.Tensor | float | None,
     scale_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    rounded: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Times the global scale, rounded to `scale_dtype`, in `out_dtype`, zeros
-    replaced by the dtype's smallest step (compressed-tensors' eps)."""
+    replaced by the smallest step (compressed-tensors' eps) of `scale_dtype`,
+    else of the dtype the arithmetic `rounded` to, else of `out_dtype`."""
     if global_scale is not None:
         scale = global_scale * scale
         if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
@@ -357,7 +400,7 @@ def _finish_scale(
     if scale_dtype is not None:
         scale = _round_to_dtype(scale, scale_dtype)
     scale = scale.to(out_dtype)
-    eps = _zero_scale_replacement(scale_dtype or out_dtype)
+    eps = _zero_scale_replacement(scale_dtype or rounded or out_dtype)
     return scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
 
 
