@@ -1,7 +1,7 @@
 """Tiny decoders of every dense family calibrated by quantobs and by
 llm-compressor 0.14's `oneshot` with the same recipe and texts: qparams
-equal bit for bit, in the same dtypes (NVFP4 in bfloat16 models included:
-global and group scales rounded in bfloat16 as llm-compressor rounds them,
+equal bit for bit, in the same dtypes (NVFP4 and W4A16_ASYM in bfloat16
+models included: scales rounded in bfloat16 as llm-compressor rounds them,
 issue 25).
 
 Set-up differences aligned here: one text per batch (llm-compressor observes
@@ -39,8 +39,14 @@ TEXTS = SENTENCES[:6]
 #: dense families llm-compressor's `Linear` targets cover (GPT-2's Conv1D
 #: layers are no `Linear`; MoE experts: tests/calibration/test_experts.py)
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "opt")
-#: scheme -> model dtype (NVFP4 models run in bf16, as they are served)
-SCHEMES = {"W4A16": torch.float32, "FP8": torch.float32, "NVFP4": torch.bfloat16}
+#: scheme -> model dtype (NVFP4 models run in bf16, as they are served;
+#: W4A16_ASYM's scales and zero points round at every step in bf16)
+SCHEMES = {
+    "W4A16": torch.float32,
+    "FP8": torch.float32,
+    "NVFP4": torch.bfloat16,
+    "W4A16_ASYM": torch.bfloat16,
+}
 #: Families whose decoder forward calls transformers' mask function itself
 #: (`create_sliding_window_causal_mask` in Mistral, `create_causal_mask` in
 #: Phi-3) rather than inside a helper llm-compressor wraps whole (Llama,
