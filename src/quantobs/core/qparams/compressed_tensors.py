@@ -42,13 +42,14 @@ asymmetric scale in about 20% of int4 / int8 groups and channels, zero point
 in 1-30%). Measured on random 1024x1024 weights: the rounding moves a
 bfloat16 global scale by up to 3.9e-3 relative (e.g. 6255.709 -> 6272.0), a
 float16 one by up to 4.5e-4, and with it the e4m3 group scales it multiplies
-(one e4m3 step in about 3% of the groups); the squared error of the fake-quantized
-weights changes by less than 0.05% either way. In float16 a global scale
-above 65504 (an absmax below 448 * 6 / 65504, about 0.041) overflows and
-becomes 1.0, as in llm-compressor (with a `RuntimeWarning` here): the group
-scales are then the bare `amax / 6` in e4m3, whose subnormals lose
-precision: 2x the squared error at an absmax of 0.025, 100x at 0.01. An
-observer's `arithmetic="float32"` option keeps float32 arithmetic instead.
+(one e4m3 step in about 3% of the groups); the squared error of the
+fake-quantized weights changes by less than 0.05% either way. In float16 a
+global scale above 65504 (an absmax below 448 * 6 / 65504, about 0.041)
+overflows and becomes 1.0, as in llm-compressor (with a `RuntimeWarning`
+here): the group scales are then the bare `amax / 6` in e4m3, whose
+subnormals lose precision: 2x the squared error at an absmax of 0.025, 100x
+at 0.01. An observer's `arithmetic="float32"` option keeps float32
+arithmetic instead.
 
 MX scales (and optional power-of-two scales of other args) use
 `quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
@@ -446,18 +447,8 @@ def _rounded_symmetric_scales(
     amax = amax.to(dtype)
     half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
     scale = (amax / half_range).to(work)
-    if global_scale is not None:
-        scale = torch.tensor(global_scale, dtype=work) * scale
-        if not bool(torch.isfinite(scale.amax())):
-            raise ValueError(
-                "global_scale * scale overflowed; the global scale is too large "
-                "for this range (compute it with generate_gparam)"
-            )
-    if args.scale_dtype is not None:
-        scale = _round_to_dtype(scale, args.scale_dtype)
-    scale = scale.to(min_vals.dtype)
-    eps = _zero_scale_replacement(args.scale_dtype or dtype)
-    return scale.masked_fill_(scale <= 0, eps)
+    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
+    return _finish_scale(scale, gscale, args.scale_dtype, min_vals.dtype, dtype)
 
 
 def _symmetric_scales_native(
