@@ -492,9 +492,13 @@ def test_weight_observed_once() -> None:
     assert torch.allclose(ours.get_qparams()["scale"], scale * 100)
 
 
-def test_fused_global_scale_equals_llmcompressor() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_global_scale_equals_llmcompressor(dtype: torch.dtype) -> None:
+    # bfloat16 / float16: global and group scales rounded in it (issue 25)
     generator = torch.Generator().manual_seed(3)
-    modules = [torch.nn.Linear(64, rows, bias=False) for rows in (32, 16, 16)]
+    modules = [
+        torch.nn.Linear(64, rows, bias=False, dtype=dtype) for rows in (32, 16, 16)
+    ]
     with torch.no_grad():
         for i, module in enumerate(modules):
             shape = module.weight.shape  # (rows, 64)

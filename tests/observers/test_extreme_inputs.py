@@ -98,6 +98,9 @@ def _check_qparams(
         assert out.dtype == x.dtype and torch.isfinite(out).all()
 
 
+# float16 NVFP4 global scales of tiny values overflow to 1.0 as the peer's
+# do, with a warning (tests/observers/test_low_precision_parity.py)
+@pytest.mark.filterwarnings("ignore:NVFP4 global scale .* overflows float16")
 @pytest.mark.parametrize("name", Observer.registry.names())
 @settings(max_examples=8, deadline=None)
 @given(

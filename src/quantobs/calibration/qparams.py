@@ -8,7 +8,9 @@ zero points in `args.zp_dtype`, global scales in float32; NVFP4's locally
 dynamic activations get only their global scale. Fused layers (`q_proj` /
 `k_proj` / `v_proj`, `gate_proj` / `up_proj`, ... : `FUSED_LAYER_NAMES`)
 share one weight global scale, from the largest absmax of the group, as vLLM
-requires.
+requires. NVFP4 global and group scales of bfloat16 / float16 modules are
+rounded in that dtype as compressed-tensors rounds them (the observers'
+`arithmetic` option; `quantobs.core.qparams.compressed_tensors`).
 
 An activation observer that saw no data (an MoE expert no token reached)
 never gets a made-up scale silently: `on_empty="raise"` names the modules
@@ -88,18 +90,35 @@ def fused_groups(entries: Sequence[Entry]) -> list[list[Entry]]:
     return groups
 
 
+def _arithmetic_dtype(entry: Entry) -> torch.dtype | None:
+    """The dtype the entry's scales are rounded in (compressed-tensors'
+    arithmetic on what its observer saw, else on its module's dtype); None
+    for float32 arithmetic."""
+    observer = entry.observer
+    if observer.options.arithmetic == "float32":
+        return None
+    return observer.observed_dtype or entry.observed_dtype()
+
+
 def _weight_qparams(group: Sequence[Entry]) -> dict[str, QParams]:
     """qparams of a fused group of weight entries (observed already)."""
     found: dict[str, QParams] = {}
     global_scale = None
     if group[0].args.strategy == "tensor_group":
         amax = torch.stack([e.observer.global_amax() for e in group]).amax(0)
-        global_scale = amax_to_global_scale(amax)
+        global_scale = amax_to_global_scale(
+            amax, observed_dtype=_arithmetic_dtype(group[0])
+        )
     for entry in group:
         observer = entry.observer
         min_vals, max_vals = observer.get_range()
         scale, zero_point = calculate_qparams(
-            min_vals, max_vals, entry.args, global_scale, empty_as_zero=True
+            min_vals,
+            max_vals,
+            entry.args,
+            global_scale,
+            empty_as_zero=True,
+            observed_dtype=_arithmetic_dtype(entry),
         )
         found[entry.key] = {"scale": scale, "zero_point": zero_point}
         if global_scale is not None:
@@ -160,16 +179,23 @@ def _activation_qparams(
         min_vals, max_vals = ranges[entry.key]
         args = entry.args
         global_scale = None
+        dtype = _arithmetic_dtype(entry)
         if args.strategy == "tensor_group":
             global_scale = amax_to_global_scale(
-                torch.maximum(-min_vals.min(), max_vals.max()).clamp(min=0)
+                torch.maximum(-min_vals.min(), max_vals.max()).clamp(min=0),
+                observed_dtype=dtype,
             )
         qparams: QParams = (
             {} if global_scale is None else {"global_scale": global_scale}
         )
         if args.dynamic != "local":
             scale, zero_point = calculate_qparams(
-                min_vals, max_vals, args, global_scale, empty_as_zero=True
+                min_vals,
+                max_vals,
+                args,
+                global_scale,
+                empty_as_zero=True,
+                observed_dtype=dtype,
             )
             qparams.update(scale=scale, zero_point=zero_point)
         found[entry.key] = qparams

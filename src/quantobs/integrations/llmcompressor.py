@@ -298,8 +298,11 @@ class QuantobsObserver(LCObserver):
             else:
                 amax = torch.maximum(-stats["min_vals"].min(), stats["max_vals"].max())
             amaxes.append(amax.float().reshape(1))
-        # (k, 1) -> (1,): the group's largest
-        return amax_to_global_scale(torch.stack(amaxes).amax(0))
+        # (k, 1) -> (1,): the group's largest, rounded as compressed-tensors
+        # rounds it for bfloat16 / float16 values
+        return amax_to_global_scale(
+            torch.stack(amaxes).amax(0), observed_dtype=self.core.arithmetic_dtype
+        )
 
     @torch.no_grad()
     def get_qparams(  # type: ignore[override, unused-ignore]
@@ -323,7 +326,12 @@ class QuantobsObserver(LCObserver):
         global_scale = self.get_global_scale()
         min_vals, max_vals = self.core.get_range()  # each (*qparam_shape,)
         scale, zero_point = calculate_qparams(
-            min_vals, max_vals, self.core.args, global_scale, empty_as_zero=True
+            min_vals,
+            max_vals,
+            self.core.args,
+            global_scale,
+            empty_as_zero=True,
+            observed_dtype=self.core.arithmetic_dtype,
         )
         self.delete_statistics()
         return {"scale": scale, "zero_point": zero_point, "global_scale": global_scale}

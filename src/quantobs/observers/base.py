@@ -17,7 +17,7 @@ engine's own: `update`, `get_range`, `get_qparams`, `reset`, `merge`,
 from __future__ import annotations
 
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -45,6 +45,13 @@ __all__ = ["Observer", "ObserverOptions"]
 
 _STATE_VERSION = 2
 
+#: dtypes named in an observer's extra state (`observed_dtype`)
+_DTYPES = {
+    str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+}
+
+Arithmetic = Literal["observed", "float32"]
+
 
 class ObserverOptions(BaseModel):
     """Options every observer takes (subclasses add their own).
@@ -52,11 +59,19 @@ class ObserverOptions(BaseModel):
     Attributes:
         nan_policy: `"raise"` (default) raises `ValueError` on NaN/inf input;
             `"omit"` ignores non-finite values.
+        arithmetic: `"observed"` (default) computes qparams as
+            compressed-tensors does on the observed dtype: bfloat16 / float16
+            values give NVFP4 global and group scales, and asymmetric scales
+            and zero points, rounded in it, equal to llm-compressor's;
+            `"float32"` computes them in float32 (see
+            `quantobs.core.qparams.compressed_tensors` for the measured
+            difference). float32 / float64 inputs give the same either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     nan_policy: NanPolicy = "raise"
+    arithmetic: Arithmetic = "observed"
 
 
 class Observer(ObserverEngine, Registered):
@@ -105,6 +120,8 @@ class Observer(ObserverEngine, Registered):
         self._module = weakref.ref(module) if module is not None else None
         self.num_observations = 0
         self.num_observed_tokens: int | None = None
+        #: the widest floating dtype observed so far (None: nothing yet)
+        self.observed_dtype: torch.dtype | None = None
 
     @classmethod
     def get_class(cls, name: str) -> type[Observer]:
@@ -175,7 +192,23 @@ class Observer(ObserverEngine, Registered):
             observed, self.base_name, self.args, self._g_idx()
         )
 
+    def _note_dtype(self, dtype: torch.dtype) -> None:
+        self.observed_dtype = (
+            dtype
+            if self.observed_dtype is None
+            else torch.promote_types(self.observed_dtype, dtype)
+        )
+
+    @property
+    def arithmetic_dtype(self) -> torch.dtype | None:
+        """The dtype compressed-tensors' rule rounds in (`observed_dtype`
+        under `arithmetic="observed"`), None for float32 arithmetic."""
+        if self.options.arithmetic == "float32":
+            return None
+        return self.observed_dtype
+
     def _count(self, observed: torch.Tensor, num_observations: int) -> None:
+        self._note_dtype(observed.dtype)
         self.num_observations += num_observations
         # llm-compressor's rule: only 2-D inputs (tokens, features), as MoE
         # experts receive, are counted as tokens.
@@ -254,11 +287,14 @@ class Observer(ObserverEngine, Registered):
             observed: optionally, a value to `update` with first.
 
         Returns:
-            `(1,)` float32 global scale (`generate_gparam`).
+            `(1,)` float32 global scale (`generate_gparam`; rounded as
+            compressed-tensors rounds it for bfloat16 / float16 values).
         """
         if observed is not None:
             self.update(observed)
-        return amax_to_global_scale(self._global_amax(self._require()))
+        return amax_to_global_scale(
+            self._global_amax(self._require()), observed_dtype=self.arithmetic_dtype
+        )
 
     def get_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(scale, zero_point)` from the statistics, each `(*qparam_shape,)`.
@@ -271,10 +307,17 @@ class Observer(ObserverEngine, Registered):
         if self.args.strategy == "tensor_group":
             global_scale = self._module_param("global_scale")
             if global_scale is None:
-                global_scale = amax_to_global_scale(self._global_amax(stat))
+                global_scale = amax_to_global_scale(
+                    self._global_amax(stat), observed_dtype=self.arithmetic_dtype
+                )
         min_vals, max_vals = self._selected_range(stat)
         return calculate_qparams(
-            min_vals, max_vals, self.args, global_scale, empty_as_zero=True
+            min_vals,
+            max_vals,
+            self.args,
+            global_scale,
+            empty_as_zero=True,
+            observed_dtype=self.arithmetic_dtype,
         )
 
     def reset(self) -> None:
@@ -282,6 +325,7 @@ class Observer(ObserverEngine, Registered):
         super().reset()
         self.num_observations = 0
         self.num_observed_tokens = None
+        self.observed_dtype = None
 
     def _check_merge(self, other: ObserverEngine) -> None:
         for what in ("base_name", "args", "options"):
@@ -292,6 +336,8 @@ class Observer(ObserverEngine, Registered):
         if not isinstance(other, Observer):  # pragma: no cover - same type
             return
         self.num_observations += other.num_observations
+        if other.observed_dtype is not None:
+            self._note_dtype(other.observed_dtype)
         if other.num_observed_tokens is not None:
             self.num_observed_tokens = (
                 self.num_observed_tokens or 0
@@ -307,6 +353,9 @@ class Observer(ObserverEngine, Registered):
             "observer": self.name,
             "num_observations": self.num_observations,
             "num_observed_tokens": self.num_observed_tokens,
+            "observed_dtype": (
+                None if self.observed_dtype is None else str(self.observed_dtype)
+            ),
         }
 
     def set_extra_state(self, state: Any) -> None:
@@ -323,6 +372,8 @@ class Observer(ObserverEngine, Registered):
         self.num_observations = int(state["num_observations"])
         tokens = state["num_observed_tokens"]
         self.num_observed_tokens = None if tokens is None else int(tokens)
+        dtype = state.get("observed_dtype")  # absent in states saved before it
+        self.observed_dtype = None if dtype is None else _DTYPES.get(dtype)
 
     # ------------------------------------------ llm-compressor's Observer API
 
@@ -343,6 +394,7 @@ class Observer(ObserverEngine, Registered):
             `(min_vals, max_vals)`, each `(*qparam_shape,)`.
         """
         if observed.numel() and self._observe(observed) is not None:
+            self._note_dtype(observed.dtype)
             self.num_observations += observed.shape[0]
         return self.get_range()
 

@@ -27,6 +27,30 @@ non-finite or out-of-range result:
   afterwards with its own precision (FP8 group scales keep their subnormals,
   as compressed-tensors stores them).
 
+Observed dtype. compressed-tensors computes in the dtype of the values
+observed (llm-compressor keeps bfloat16 / float16 statistics in it): a
+symmetric scale `amax / ((qmax - qmin) / 2)` is rounded to that dtype, and
+so is NVFP4's global scale `448 * 6 / amax` (twice: torch divides a number
+by a tensor as `reciprocal(amax) * 2688`), before `.to(float32)`; an
+asymmetric scale and zero point are rounded at every step (`max - min`, the
+quotient, `min / scale`, `qmin - min / scale`). With
+`observed_dtype=torch.bfloat16` or `torch.float16` the rule does the same
+(`observed_dtype=None`, float32 or float64: float32 arithmetic, unchanged),
+so the scales and zero points of bfloat16 / float16 models equal
+llm-compressor's once stored (float32 arithmetic stores a different
+asymmetric scale in about 20% of int4 / int8 groups and channels, zero point
+in 1-30%). Measured on random 1024x1024 weights: the rounding moves a
+bfloat16 global scale by up to 3.9e-3 relative (e.g. 6255.709 -> 6272.0), a
+float16 one by up to 4.5e-4, and with it the e4m3 group scales it multiplies
+(one e4m3 step in about 3% of the groups); the squared error of the
+fake-quantized weights changes by less than 0.05% either way. In float16 a
+global scale above 65504 (an absmax below 448 * 6 / 65504, about 0.041)
+overflows and becomes 1.0, as in llm-compressor (with a `RuntimeWarning`
+here): the group scales are then the bare `amax / 6` in e4m3, whose
+subnormals lose precision: 2x the squared error at an absmax of 0.025, 100x
+at 0.01. An observer's `arithmetic="float32"` option keeps float32
+arithmetic instead.
+
 MX scales (and optional power-of-two scales of other args) use
 `quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
 mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
@@ -35,6 +59,7 @@ mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -169,6 +194,7 @@ def calculate_qparams(
     *,
     pow2: Pow2Rounding | None = None,
     empty_as_zero: bool = False,
+    observed_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from a range, per quantization parameter.
 
@@ -191,6 +217,11 @@ def calculate_qparams(
             no rounding).
         empty_as_zero: treat a range with `min > max` (an observer's qparam
             that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
+        observed_dtype: dtype of the values the range came from; bfloat16 /
+            float16 round symmetric (non-MX) scales to it before the global
+            scale multiplies them, and asymmetric scales and zero points at
+            each step, as compressed-tensors computes in it (the zero-scale
+            replacement is then its eps); None: float32.
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -206,11 +237,22 @@ def calculate_qparams(
     _check_range_types(min_vals, max_vals)
     if global_scale is not None:
         check_global_scale(global_scale)
+    rounded = _rounded_dtype(observed_dtype)
     if args.symmetric and not args.is_mx and pow2 is None:
         gscale = None if global_scale is None else float(global_scale.float())
-        scale = _symmetric_scales(
-            min_vals, max_vals, args.format, args.scale_dtype, gscale, empty_as_zero
-        )
+        if rounded is not None:
+            scale = _rounded_symmetric_scales(
+                min_vals, max_vals, args, gscale, empty_as_zero, rounded
+            )
+        else:
+            scale = _symmetric_scales(
+                min_vals,
+                max_vals,
+                args.format,
+                args.scale_dtype,
+                gscale,
+                empty_as_zero,
+            )
         if _may_be_subnormal(args.scale_dtype, scale.dtype):
             scale = _floor_positive(scale)
         return _with_zero_point(scale, None, args)
@@ -230,6 +272,8 @@ def calculate_qparams(
         else:
             scale = amax.div_((qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below
+    elif rounded is not None and pow2 is None:
+        scale, zero_point = _rounded_asymmetric(min_vals, max_vals, qmin, qmax, rounded)
     else:
         min_vals = torch.clamp(min_vals.to(work), max=0.0)
         max_vals = torch.clamp(max_vals.to(work), min=0.0)
@@ -249,8 +293,42 @@ def calculate_qparams(
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
     scale_dtype = None if args.is_mx else args.scale_dtype
     global_work = None if global_scale is None else global_scale.to(work)
-    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype)
+    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype, rounded)
     return _with_zero_point(scale, zero_point, args)
+
+
+def _rounded_asymmetric(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    qmin: float,
+    qmax: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric `(scale, zero_point)` in compressed-tensors' arithmetic on
+    values of `dtype` (bfloat16 / float16): `max - min`, its quotient by
+    `qmax - qmin`, `min / scale` and `qmin - min / scale` each rounded to
+    `dtype`. The guards of the float32 path stay: an overflowing `max - min`
+    is divided term by term, a subnormal scale floored to float32's tiny, an
+    all-zero range gets the zero point `qmin`.
+
+    Returns:
+        `(scale, zero_point)`: `(*Q,)` float32 scales (values of `dtype`)
+        and `(*Q,)` zero points in `dtype`, in `[qmin, qmax]`, unrounded.
+    """
+    work, info = _work_dtype(min_vals.dtype), torch.finfo(dtype)
+    # (*Q,) range ends of values of `dtype` (a searched range past it saturates)
+    low = min_vals.to(work).clamp(info.min, 0.0).to(dtype)
+    high = max_vals.to(work).clamp(0.0, info.max).to(dtype)
+    span = torch.tensor(qmax - qmin, dtype=dtype)
+    scale = (high - low) / span
+    wide = ~torch.isfinite(scale)  # max - min overflowed
+    if wide.any():
+        scale = torch.where(wide, high / span - low / span, scale)
+    scale = _floor_subnormal(scale.to(work), work).to(dtype)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    # low == 0 wherever scale == 0, so the zero point is qmin there.
+    zero_point = torch.clamp(qmin - low / safe, qmin, qmax)
+    return scale.to(work), zero_point
 
 
 def _may_be_subnormal(scale_dtype: torch.dtype | None, dtype: torch.dtype) -> bool:
@@ -284,6 +362,17 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: observed dtypes whose rounding compressed-tensors' arithmetic keeps
+_ROUNDED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _rounded_dtype(observed_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype compressed-tensors' arithmetic rounds to for values observed
+    in `observed_dtype`: bfloat16 / float16; None (float32 arithmetic) for
+    None and wider dtypes."""
+    return observed_dtype if observed_dtype in _ROUNDED_DTYPES else None
+
+
 def _amax(
     min_vals: torch.Tensor, max_vals: torch.Tensor, work: torch.dtype
 ) -> torch.Tensor:
@@ -297,9 +386,11 @@ def _finish_scale(
     global_scale: torch.Tensor | float | None,
     scale_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    rounded: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Times the global scale, rounded to `scale_dtype`, in `out_dtype`, zeros
-    replaced by the dtype's smallest step (compressed-tensors' eps)."""
+    replaced by the smallest step (compressed-tensors' eps) of `scale_dtype`,
+    else of the dtype the arithmetic `rounded` to, else of `out_dtype`."""
     if global_scale is not None:
         scale = global_scale * scale
         if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
@@ -310,7 +401,7 @@ def _finish_scale(
     if scale_dtype is not None:
         scale = _round_to_dtype(scale, scale_dtype)
     scale = scale.to(out_dtype)
-    eps = _zero_scale_replacement(scale_dtype or out_dtype)
+    eps = _zero_scale_replacement(scale_dtype or rounded or out_dtype)
     return scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
 
 
@@ -332,6 +423,32 @@ def _symmetric_scales(
     scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
     gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
     return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype)
+
+
+def _rounded_symmetric_scales(
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    args: QuantizationArgs,
+    global_scale: float | None,
+    empty_as_zero: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Symmetric (non-MX) scales in compressed-tensors' arithmetic on values
+    of `dtype` (bfloat16 / float16): `amax / ((qmax - qmin) / 2)` computed in
+    `dtype` (one rounding), then in float32 times the global scale, rounded
+    to `scale_dtype`, zeros -> the eps of `scale_dtype`, else of `dtype`."""
+    if empty_as_zero:
+        min_vals, max_vals = range_or_zero(min_vals, max_vals)
+    _check_range(min_vals, max_vals)
+    fmt, work = args.format, _work_dtype(min_vals.dtype)
+    # (*Q,) amax of values of `dtype`: exact in it (a searched range past its
+    # max saturates)
+    amax = _amax(min_vals, max_vals, work).clamp_(max=torch.finfo(dtype).max)
+    amax = amax.to(dtype)
+    half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
+    scale = (amax / half_range).to(work)
+    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
+    return _finish_scale(scale, gscale, args.scale_dtype, min_vals.dtype, dtype)
 
 
 def _symmetric_scales_native(
@@ -387,12 +504,15 @@ class CompressedTensorsRule:
         args: the quantization args.
         pow2: power-of-two rounding (see `calculate_qparams`).
         empty_as_zero: ranges with `min > max` count as `(0, 0)`.
+        observed_dtype: dtype of the observed values (bfloat16 / float16:
+            compressed-tensors' rounding in it; None: float32 arithmetic).
     """
 
     name: ClassVar[str] = "compressed_tensors"
     args: QuantizationArgs
     pow2: Pow2Rounding | None = None
     empty_as_zero: bool = False
+    observed_dtype: torch.dtype | None = None
 
     def __call__(
         self,
@@ -408,6 +528,7 @@ class CompressedTensorsRule:
             global_scale,
             pow2=self.pow2,
             empty_as_zero=self.empty_as_zero,
+            observed_dtype=self.observed_dtype,
         )
 
 
@@ -435,6 +556,8 @@ def amax_to_global_scale(
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    observed_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """NVFP4 global scale `scale_max * quant_max / amax` (448 * 6 / amax).
 
@@ -447,6 +570,10 @@ def amax_to_global_scale(
         scale_format: format of the local (group) scales.
         quant_format: format of the quantized values.
         dtype: dtype of the result.
+        observed_dtype: dtype of the values `amax` came from; bfloat16 /
+            float16 compute the quotient in it as compressed-tensors does
+            (`reciprocal(amax) * 2688`, each rounded; float16 overflows to
+            1.0 below an amax of about 0.041); None: float32.
 
     Returns:
         `(1,)` global scale in `dtype`.
@@ -462,12 +589,34 @@ def amax_to_global_scale(
             "amax is not finite (NaN or inf); drop non-finite inputs before "
             "computing a global scale"
         )
-    amax = amax.to(torch.float32).abs().clamp(min=torch.finfo(torch.float32).tiny)
-    global_scale = (scale_fmt.max * quant_fmt.max) / amax
-    global_scale = torch.where(
-        torch.isfinite(global_scale), global_scale, torch.ones_like(global_scale)
-    )
+    work = _rounded_dtype(observed_dtype) or torch.float32
+    product = scale_fmt.max * quant_fmt.max
+    # a (1,)-like amax of values of `work` (exact in it; a searched range
+    # past its max saturates)
+    amax = amax.to(torch.float32).abs()
+    info = torch.finfo(work)
+    rounded = amax.clamp(info.tiny, info.max).to(work)
+    global_scale = product / rounded
+    finite = torch.isfinite(global_scale)
+    if work == torch.float16 and not bool(finite.all()):
+        _warn_float16_overflow(amax, product)
+    global_scale = torch.where(finite, global_scale, torch.ones_like(global_scale))
     return global_scale.to(dtype).reshape(1)
+
+
+def _warn_float16_overflow(amax: torch.Tensor, product: float) -> None:
+    """Warn where float16 arithmetic, not the data, made the global scale 1.0."""
+    exact = product / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    if bool(torch.isfinite(exact).all()):
+        warnings.warn(
+            f"NVFP4 global scale {product:g} / {float(amax.max()):.4g} overflows "
+            "float16 and becomes 1.0, as compressed-tensors computes it; its "
+            "group scales then lose precision (measured: 2x the squared error "
+            "at an absmax of 0.025, 100x at 0.01). Observer option "
+            "arithmetic='float32' computes it in float32",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def generate_gparam(
@@ -476,6 +625,8 @@ def generate_gparam(
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    observed_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Global scale from a tensor's range (compressed-tensors' `generate_gparam`).
 
@@ -485,6 +636,8 @@ def generate_gparam(
         scale_format: format of the local scales (FP8 e4m3 for NVFP4).
         quant_format: format of the values (FP4 e2m1 for NVFP4).
         dtype: dtype of the result.
+        observed_dtype: dtype of the observed values (see
+            `amax_to_global_scale`).
 
     Returns:
         `(1,)` global scale, see `amax_to_global_scale`.
@@ -496,7 +649,9 @@ def generate_gparam(
     )
     if amax.numel() != 1:
         amax = amax.max()
-    return amax_to_global_scale(amax, scale_format, quant_format, dtype)
+    return amax_to_global_scale(
+        amax, scale_format, quant_format, dtype, observed_dtype=observed_dtype
+    )
 
 
 def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
