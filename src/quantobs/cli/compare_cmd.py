@@ -7,9 +7,12 @@
                      [--report DIR] [--report-format html|markdown]
                      [--overwrite] [--no-progress]
 
-Calibrates the model under each scheme x observer row on the calibration
-texts, evaluates each against the unquantized model on the held-out texts
-(`quantobs.report.compare`) and prints a table per scheme with the best of
+Loads the model as the class its `config.json` names
+(`quantobs.cli.model_loading`), calibrates it under each scheme x observer
+row on the calibration texts, evaluates each against the unquantized model
+on the held-out texts (`quantobs.report.compare`; a causal LM by its
+next-token KL, top-1 agreement and perplexity, other models by their
+embeddings) and prints a table per scheme with the best of
 each column marked and a verdict; `--report DIR` also writes an HTML (or
 Markdown) report with plots.
 """
@@ -26,12 +29,12 @@ from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
     default_ignore,
-    load_model,
     model_dir,
     observer_name,
     scheme_name,
     texts,
 )
+from quantobs.cli.model_loading import load_model
 
 __all__ = ["add_parser", "run_compare"]
 
@@ -45,7 +48,7 @@ _PIPED_WIDTH = 150
 
 def _epilog() -> str:
     from quantobs.report.compare import ROWS, spec_text
-    from quantobs.report.render import METRIC_DEFINITIONS
+    from quantobs.report.render import CAUSAL_METRIC_DEFINITIONS, METRIC_DEFINITIONS
 
     rows = "\n".join(
         f"  {row:<16} weights: {spec_text(weight)}, static inputs: {inputs}"
@@ -53,6 +56,9 @@ def _epilog() -> str:
     )
     metrics = "\n".join(
         f"  {name}: {text}" for name, text in METRIC_DEFINITIONS.items()
+    )
+    causal = "\n".join(
+        f"  {name}: {text}" for name, text in CAUSAL_METRIC_DEFINITIONS.items()
     )
     return (
         f"observer rows:\n{rows}\n  any other registered observer name runs "
@@ -62,6 +68,10 @@ def _epilog() -> str:
         "skipped. Warnings an observer gives (entropy or\n  percentile on a "
         "float format) are footnotes [k] of its row.\n\n"
         f"metrics (held-out texts, quantized vs unquantized model):\n{metrics}"
+        "\n\ncausal LMs (the class config.json names maps to a causal LM) are "
+        "scored by\ntheir own next-token predictions instead of the four "
+        "embedding metrics;\nthe verdict picks the observer of lowest KL "
+        f"(within 0.001 nats: keep minmax):\n{causal}"
     )
 
 

@@ -19,7 +19,6 @@ __all__ = [
     "UsageError",
     "add_text_options",
     "default_ignore",
-    "load_model",
     "model_dir",
     "observer_name",
     "scheme_name",
@@ -86,7 +85,8 @@ def add_text_options(parser: argparse.ArgumentParser, heldout_use: str) -> None:
         default=None,
         metavar="PATTERN",
         help="module names or 're:' expressions left unquantized (default: "
-        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
+        "a causal LM's output head, lm_head, as llm-compressor's examples; "
+        f"{POOLER_IGNORE!r} when the model has a pooler; else none)",
     )
 
 
@@ -154,39 +154,16 @@ def texts(data: Path | None, default: Sequence[str], what: str) -> list[str]:
         raise UsageError(f"cannot read the {what} data: {error}") from None
 
 
-def load_model(directory: Path) -> tuple[Any, Any]:
-    """`(model, tokenizer)` of `directory` with transformers' `AutoModel` and
-    `AutoTokenizer`, offline; the model in eval mode."""
-    import logging as std_logging
-
-    # transformers imports torchao where it is installed (the `peers`
-    # extra): its CUDA extensions fail to load on a CPU build and torch's
-    # pytree warns about its enums, neither of which concerns this run.
-    for name in ("torchao", "torch.utils._pytree"):
-        std_logging.getLogger(name).setLevel(std_logging.ERROR)
-    import transformers
-    from transformers.utils import logging
-
-    bar = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()  # transformers' "Loading weights" bar
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            directory, local_files_only=True
-        )
-        model = transformers.AutoModel.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UsageError(
-            f"transformers cannot load the model in {directory}: "
-            f"{type(error).__name__}: {first}"
-        ) from None
-    finally:
-        if bar:
-            logging.enable_progress_bar()
-    return model.eval(), tokenizer
-
-
 def default_ignore(model: Any) -> list[str]:
-    """`[POOLER_IGNORE]` when the model has a pooler, else nothing."""
+    """The modules left unquantized when `--ignore` is not given.
+
+    A causal LM's output head (`lm_head`), as llm-compressor's examples
+    leave it; `[POOLER_IGNORE]` when the model has a pooler; else nothing.
+    """
+    from quantobs.report.tasks import CAUSAL_LM, output_head, task_of
+
+    if task_of(model) == CAUSAL_LM:
+        head = output_head(model)
+        return [] if head is None else [head]
     names = (name for name, _ in model.named_modules())
     return [POOLER_IGNORE] if any("pooler" in name for name in names) else []

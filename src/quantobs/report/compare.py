@@ -70,8 +70,10 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import preset_scheme
 from quantobs.observers.base import Observer
 from quantobs.observers.fit import ObjectiveFitWarning
+from quantobs.report.causal import perplexity
 from quantobs.report.evaluate import HeldOut, embed, evaluate, input_ranges
 from quantobs.report.results import Cell, Comparison, LayerHistogram, Skipped
+from quantobs.report.tasks import CAUSAL_LM
 
 __all__ = [
     "DEFAULT_OBSERVERS",
@@ -299,6 +301,9 @@ def _run_cell(
         cosine_worst=evaluation.cosine_worst,
         neighbours=evaluation.neighbours,
         spearman=evaluation.spearman,
+        kl_divergence=evaluation.kl_divergence,
+        token_agreement=evaluation.token_agreement,
+        perplexity=evaluation.perplexity,
         weight_sqnr=evaluation.weight_sqnr,
         input_sqnr=evaluation.input_sqnr,
         input_ranges=ranges,
@@ -385,7 +390,9 @@ def compare(
     cells); a model given in train mode is put back in it at the end.
 
     Args:
-        model: an unquantized transformers base model (`AutoModel`).
+        model: an unquantized transformers model: a causal LM (scored by
+            its next-token predictions) or any other (scored by its
+            mean-pooled hidden states); see `quantobs.report.tasks`.
         tokenizer: its tokenizer.
         calibration_texts: the texts observed during calibration.
         heldout_texts: the texts the metrics are computed on (at least 3).
@@ -460,6 +467,7 @@ def _compare(
         calibration_texts=len(calibration_texts),
         heldout_texts=len(heldout_texts),
         skipped=skipped,
+        task=held_out.task,
     )
     bar = _progress(jobs, progress)
     for job in bar:
@@ -469,5 +477,7 @@ def _compare(
         if on_cell is not None:
             on_cell(cell)
     result.histogram = _histogram(model, result.cells, held_out)
+    if held_out.task == CAUSAL_LM and held_out.targets is not None:
+        result.reference_perplexity = perplexity(held_out.reference, held_out.targets)
     result.seconds = time.perf_counter() - start
     return result

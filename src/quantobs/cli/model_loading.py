@@ -1,0 +1,143 @@
+"""Loading a model directory as the class its checkpoint names.
+
+`load_model` reads `config.json`, takes the first class its `architectures`
+lists (`LlamaForCausalLM`, `BertForMaskedLM`, `BertModel`, ...) from
+transformers, offline and without custom code, and loads the weights into
+it: every module the checkpoint has is kept (a causal LM keeps its
+`lm_head`, tied to the input embeddings where the config says so), and
+`save_compressed` writes the same architecture back. A class transformers
+does not have, a config naming none, or weights that do not fit the class
+(missing or left-over tensors) is a `UsageError` naming the fix.
+
+The tokenizer gets a pad token, in memory only, when it has none (Llama-3,
+Mistral): its eos token, else its unk token, else its bos token, else the
+token of id 0. Batches are padded on the right. Padding never reaches the
+observers nor the metrics (both see real tokens only, by the attention
+mask), so which token pads does not change any result; the checkpoint's
+tokenizer files are copied unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from quantobs.cli.inputs import UsageError
+
+__all__ = ["architecture_class", "ensure_pad_token", "load_model"]
+
+
+def architecture_class(config: Any, directory: Path) -> type:
+    """The transformers class `config.architectures` names (the first one).
+
+    Raises:
+        UsageError: no architecture named, or one transformers does not have.
+    """
+    import transformers
+
+    names = list(getattr(config, "architectures", None) or [])
+    if not names:
+        raise UsageError(
+            f"{directory / 'config.json'} names no architectures; add the "
+            'model class, e.g. "architectures": ["LlamaForCausalLM"]'
+        )
+    name = names[0]
+    found = getattr(transformers, name, None) if name.isidentifier() else None
+    if not isinstance(found, type) or not issubclass(
+        found, transformers.PreTrainedModel
+    ):
+        raise UsageError(
+            f"{directory / 'config.json'} names architecture {name!r}, which "
+            f"transformers {transformers.__version__} does not have (custom "
+            "code is not run); name a transformers model class"
+        )
+    return found
+
+
+def ensure_pad_token(tokenizer: Any) -> str | None:
+    """Give `tokenizer` a pad token when it has none, and pad on the right.
+
+    The pad token is the eos token, else the unk token, else the bos token,
+    else the token of id 0 (see the module docstring: padding is masked).
+
+    Returns:
+        The pad token chosen, or None when the tokenizer had one.
+    """
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is not None:
+        return None
+    for token in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.bos_token):
+        if token is not None:
+            tokenizer.pad_token = token
+            return str(token)
+    token = tokenizer.convert_ids_to_tokens(0)
+    tokenizer.pad_token = token
+    return str(token)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _check_weights(info: dict[str, Any], name: str, directory: Path) -> None:
+    """Refuse weights the class would initialize or drop."""
+    for key, what in (
+        ("missing_keys", "lacks"),
+        ("unexpected_keys", "has tensors that"),
+        ("mismatched_keys", "has tensors of other shapes than"),
+    ):
+        keys = sorted(str(k) for k in info.get(key) or ())
+        if keys:
+            shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+            raise UsageError(
+                f"the checkpoint in {directory} {what} {name} expects "
+                f"({shown}); fix config.json's architectures or the weights"
+            )
+
+
+def load_model(directory: Path) -> tuple[Any, Any]:
+    """`(model, tokenizer)` of `directory`, offline; the model in eval mode.
+
+    The model's class is the one `config.json`'s `architectures` names
+    (`architecture_class`); the tokenizer is `AutoTokenizer`'s, with a pad
+    token (`ensure_pad_token`).
+
+    Raises:
+        UsageError: transformers cannot read the config, the class, the
+            weights or the tokenizer (one line: the error and the fix).
+    """
+    import logging as std_logging
+
+    # transformers imports torchao where it is installed (the `peers`
+    # extra): its CUDA extensions fail to load on a CPU build and torch's
+    # pytree warns about its enums, neither of which concerns this run.
+    for name in ("torchao", "torch.utils._pytree"):
+        std_logging.getLogger(name).setLevel(std_logging.ERROR)
+    import transformers
+    from transformers.utils import logging
+
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # transformers' "Loading weights" bar
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            directory, local_files_only=True
+        )
+        cls = architecture_class(config, directory)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            directory, local_files_only=True
+        )
+        model, info = cls.from_pretrained(
+            directory, config=config, local_files_only=True, output_loading_info=True
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UsageError(
+            f"transformers cannot load the model in {directory}: "
+            f"{_first_line(error)}"
+        ) from None
+    finally:
+        if bar:
+            logging.enable_progress_bar()
+    _check_weights(info, cls.__name__, directory)
+    ensure_pad_token(tokenizer)
+    return model.eval(), tokenizer
