@@ -36,8 +36,10 @@ from typing import Any
 from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
+    check_quantizes,
     default_ignore,
     model_dir,
+    model_failure,
     scheme_name,
     texts,
 )
@@ -253,20 +255,26 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     if group is not None and group.device is not None:
         model.to(group.device)
     ignore = default_ignore(model) if options.ignore is None else options.ignore
-    held_out = HeldOut.of(
-        model,
-        text_batches(
-            tokenizer,
-            held_out_texts,
-            batch_size=options.batch_size,
-            max_length=options.max_length,
-        ),
-    )
+    try:
+        held_out = HeldOut.of(
+            model,
+            text_batches(
+                tokenizer,
+                held_out_texts,
+                batch_size=options.batch_size,
+                max_length=options.max_length,
+            ),
+        )
+    except ValueError as error:
+        raise UsageError(f"--heldout: {error}") from None
+    except (IndexError, RuntimeError, TypeError) as error:
+        raise model_failure(error, "held-out") from None
     try:
         attach(model, _recipe(options, scheme, list(ignore)))
     except (KeyError, ValueError, TypeError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error
         raise UsageError(f"cannot attach the observers: {message}") from None
+    check_quantizes(model, scheme)
     if options.kv_cache_scheme is not None:
         check_attached(model, options.kv_cache_scheme)
     if options.resume is not None:

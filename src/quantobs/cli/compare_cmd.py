@@ -28,8 +28,10 @@ from typing import Any
 from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
+    check_quantizes,
     default_ignore,
     model_dir,
+    model_failure,
     observer_name,
     scheme_name,
     texts,
@@ -203,7 +205,10 @@ def _check_schemes(model: Any, schemes: list[str], ignore: list[str]) -> None:
                 f"scheme {scheme}: {message} (on the command line: --ignore "
                 "NAME_OR_RE ...)"
             ) from None
-        detach(model)
+        try:
+            check_quantizes(model, scheme)
+        finally:
+            detach(model)
 
 
 def _compare(options: argparse.Namespace) -> None:
@@ -221,19 +226,22 @@ def _compare(options: argparse.Namespace) -> None:
     model, tokenizer = load_model(directory)
     ignore = default_ignore(model) if options.ignore is None else list(options.ignore)
     _check_schemes(model, schemes, ignore)
-    comparison = compare(
-        model,
-        tokenizer,
-        calibration,
-        held_out,
-        schemes=schemes,
-        observers=observers,
-        ignore=ignore,
-        batch_size=options.batch_size,
-        max_length=options.max_length,
-        model_name=str(directory),
-        progress=False if options.no_progress else None,
-    )
+    try:
+        comparison = compare(
+            model,
+            tokenizer,
+            calibration,
+            held_out,
+            schemes=schemes,
+            observers=observers,
+            ignore=ignore,
+            batch_size=options.batch_size,
+            max_length=options.max_length,
+            model_name=str(directory),
+            progress=False if options.no_progress else None,
+        )
+    except (IndexError, RuntimeError, TypeError) as error:
+        raise model_failure(error, "calibration or held-out") from None
     _print(comparison, options.format)
     if options.report is not None:
         from quantobs.report.document import write_report

@@ -18,8 +18,10 @@ __all__ = [
     "POOLER_IGNORE",
     "UsageError",
     "add_text_options",
+    "check_quantizes",
     "default_ignore",
     "model_dir",
+    "model_failure",
     "observer_name",
     "scheme_name",
     "texts",
@@ -167,3 +169,30 @@ def default_ignore(model: Any) -> list[str]:
         return [] if head is None else [head]
     names = (name for name, _ in model.named_modules())
     return [POOLER_IGNORE] if any("pooler" in name for name in names) else []
+
+
+def check_quantizes(model: Any, scheme: str) -> None:
+    """Refuse a recipe that attached no observer (nothing to quantize).
+
+    Raises:
+        UsageError: the scheme's targets matched no layer outside --ignore.
+    """
+    from quantobs.calibration.attach import attachment_of
+
+    if not attachment_of(model).entries:
+        raise UsageError(
+            f"scheme {scheme} quantizes nothing in this model: no layer it "
+            "targets (Linear) is left outside --ignore; check --ignore or the "
+            "model's layer types"
+        )
+
+
+def model_failure(error: BaseException, what: str) -> UsageError:
+    """The one-line error of a model that fails on the texts (a tokenizer
+    whose ids the embeddings lack, a config that does not fit the weights)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return UsageError(
+        f"the model fails on the {what} texts: {type(error).__name__}: {first}; "
+        "check that the tokenizer belongs to the model"
+    )

@@ -55,8 +55,7 @@ def kv_cache_args(name: str | None) -> Any:
     key = name.strip().upper()
     if key not in KV_CACHE_SCHEMES:
         raise UsageError(
-            f"unknown --kv-cache-scheme {name!r}; one of "
-            f"{', '.join(KV_CACHE_SCHEMES)}"
+            f"unknown --kv-cache-scheme {name!r}; one of {', '.join(KV_CACHE_SCHEMES)}"
         )
     return QuantizationArgs(**KV_CACHE_SCHEMES[key])
 

@@ -10,11 +10,12 @@ does not have, a config naming none, or weights that do not fit the class
 (missing or left-over tensors) is a `UsageError` naming the fix.
 
 The tokenizer gets a pad token, in memory only, when it has none (Llama-3,
-Mistral): its eos token, else its unk token, else its bos token, else the
-token of id 0. Batches are padded on the right. Padding never reaches the
-observers nor the metrics (both see real tokens only, by the attention
-mask), so which token pads does not change any result; the checkpoint's
-tokenizer files are copied unchanged.
+Mistral) or when its pad token has no row in the model's embeddings: its eos
+token, else its unk token, else its bos token, else the token of id 0 (the
+first of these the embeddings hold). Batches are padded on the right.
+Padding never reaches the observers nor the metrics (both see real tokens
+only, by the attention mask), so which token pads does not change any
+result; the checkpoint's tokenizer files are copied unchanged.
 """
 
 from __future__ import annotations
@@ -54,20 +55,32 @@ def architecture_class(config: Any, directory: Path) -> type:
     return found
 
 
-def ensure_pad_token(tokenizer: Any) -> str | None:
+def _fits(tokenizer: Any, token: Any, vocab_size: int | None) -> bool:
+    if token is None:
+        return False
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return isinstance(token_id, int) and (vocab_size is None or token_id < vocab_size)
+
+
+def ensure_pad_token(tokenizer: Any, vocab_size: int | None = None) -> str | None:
     """Give `tokenizer` a pad token when it has none, and pad on the right.
 
     The pad token is the eos token, else the unk token, else the bos token,
     else the token of id 0 (see the module docstring: padding is masked).
 
+    Args:
+        tokenizer: a transformers tokenizer, changed in place.
+        vocab_size: the rows of the model's input embeddings: a pad token
+            whose id is not below it is replaced as a missing one.
+
     Returns:
-        The pad token chosen, or None when the tokenizer had one.
+        The pad token chosen, or None when the tokenizer's own was kept.
     """
     tokenizer.padding_side = "right"
-    if tokenizer.pad_token is not None:
+    if _fits(tokenizer, tokenizer.pad_token, vocab_size):
         return None
     for token in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.bos_token):
-        if token is not None:
+        if _fits(tokenizer, token, vocab_size):
             tokenizer.pad_token = token
             return str(token)
     token = tokenizer.convert_ids_to_tokens(0)
@@ -123,7 +136,7 @@ def load_model(directory: Path) -> tuple[Any, Any]:
         config = transformers.AutoConfig.from_pretrained(
             directory, local_files_only=True
         )
-        cls = architecture_class(config, directory)
+        cls: Any = architecture_class(config, directory)
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             directory, local_files_only=True
         )
@@ -132,12 +145,15 @@ def load_model(directory: Path) -> tuple[Any, Any]:
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise UsageError(
-            f"transformers cannot load the model in {directory}: "
-            f"{_first_line(error)}"
+            f"transformers cannot load the model in {directory}: {_first_line(error)}"
         ) from None
     finally:
         if bar:
             logging.enable_progress_bar()
     _check_weights(info, cls.__name__, directory)
-    ensure_pad_token(tokenizer)
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except NotImplementedError:  # a model without input embeddings
+        rows = None
+    ensure_pad_token(tokenizer, rows if isinstance(rows, int) else None)
     return model.eval(), tokenizer

@@ -111,6 +111,8 @@ def perplexity(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
             f"{tuple(targets.shape)}"
         )
     if bool(((targets < 0) | (targets >= logprobs.shape[1])).any()):
-        raise ValueError(f"targets hold ids outside the vocabulary of {logprobs.shape[1]}")
+        raise ValueError(
+            f"targets hold ids outside the vocabulary of {logprobs.shape[1]}"
+        )
     picked = logprobs.gather(1, targets.long().unsqueeze(1)).double()  # (T, 1)
     return math.exp(-float(picked.mean()))

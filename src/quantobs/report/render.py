@@ -50,7 +50,6 @@ from quantobs.report.tasks import (
     CAUSAL_LM,
     EMBEDDING,
     Metric,
-    main_metric,
     quality_metrics,
 )
 
@@ -306,9 +305,7 @@ def best_cells(comparison: Comparison, scheme: str) -> dict[str, set[str]]:
         to the empty set.
     """
     cells = comparison.cells_of(scheme)
-    return {
-        column.key: _best_of(cells, column) for column in columns(comparison.task)
-    }
+    return {column.key: _best_of(cells, column) for column in columns(comparison.task)}
 
 
 def _skipped_summary(comparison: Comparison, scheme: str) -> str:
