@@ -48,7 +48,6 @@ from quantobs.report.render import (
     metric_definitions,
     note_marks,
     observers_run,
-    reference_line,
     scheme_order,
     verdict,
 )
@@ -103,8 +102,8 @@ def _settings(comparison: Comparison) -> list[tuple[str, str]]:
         ("held-out texts", str(comparison.heldout_texts)),
         ("task", comparison.task),
         *(
-            [("reference", line)]
-            if (line := reference_line(comparison)) is not None
+            [("unquantized perplexity", f"{comparison.reference_perplexity:.2f}")]
+            if comparison.reference_perplexity is not None
             else []
         ),
         ("total time", f"{comparison.seconds:.1f} s"),

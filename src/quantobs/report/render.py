@@ -50,6 +50,7 @@ from quantobs.report.tasks import (
     CAUSAL_LM,
     EMBEDDING,
     Metric,
+    main_metric,
     quality_metrics,
 )
 
@@ -332,6 +333,9 @@ def _time_difference(seconds: float) -> str:
     return f"{abs(seconds):.1f} s {more_or_less} calibration"
 
 
+#: the metric a verdict quotes beside the main one (one per task)
+_ALSO = ("neighbours", "token_agreement")
+
 #: how a verdict names a metric (default: its column title)
 _SAID = {
     "neighbours": "top-1 agreement",
@@ -393,7 +397,8 @@ def verdict(comparison: Comparison, scheme: str) -> str:
     cells = comparison.cells_of(scheme)
     if not cells:
         return f"{scheme}: no observer ran — {_skipped_summary(comparison, scheme)}."
-    metric, second = quality_metrics(comparison.task)[:2]
+    metric = main_metric(comparison.task)
+    second = next(m for m in quality_metrics(comparison.task) if m.key in _ALSO)
     if len(cells) == 1:
         (only,) = cells
         return (
