@@ -267,6 +267,11 @@ def test_bad_models_and_options_are_one_line(
     )  # fmt: skip
     assert code == EXIT_USAGE
     assert err.count("\n") == 1 and "LlamaForTelepathy" in err
+    code, _, err = _cli(
+        capsys, "compare", "--model", str(llama), "--kv-cache-scheme", "fp4",
+    )  # fmt: skip
+    assert code == EXIT_USAGE
+    assert err == "quantobs: error: unknown --kv-cache-scheme 'fp4'; one of FP8, INT8\n"
 
 
 def test_help_documents_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
     quantobs compare [--model DIR] [--schemes NAME ...] [--observers NAME ...]
                      [--quick] [--data FILE] [--heldout FILE]
                      [--batch-size 16] [--max-length 128] [--ignore PATTERN ...]
+                     [--kv-cache-scheme FP8|INT8]
                      [--format table|json|csv]
                      [--report DIR] [--report-format html|markdown]
                      [--overwrite] [--no-progress]
@@ -36,6 +37,7 @@ from quantobs.cli.inputs import (
     scheme_name,
     texts,
 )
+from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
 from quantobs.cli.model_loading import load_model
 
 __all__ = ["add_parser", "run_compare"]
@@ -129,6 +131,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     add_text_options(parser, "the metrics are computed on (at least 3)")
     parser.add_argument(
+        "--kv-cache-scheme",
+        default=None,
+        metavar="NAME",
+        help="also quantize the attention's key and value states in every "
+        "cell, static per tensor, symmetric: "
+        + ", ".join(KV_CACHE_SCHEMES)
+        + " (FP8: float8_e4m3fn); default: none",
+    )
+    parser.add_argument(
         "--format",
         choices=_FORMATS,
         default="table",
@@ -191,14 +202,18 @@ def _matrix(options: argparse.Namespace) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(names)), list(dict.fromkeys(observers))
 
 
-def _check_schemes(model: Any, schemes: list[str], ignore: list[str]) -> None:
+def _check_schemes(
+    model: Any, schemes: list[str], ignore: list[str], kv_cache: str | None
+) -> None:
     """Attach (and detach) each scheme's observers: a layer a scheme cannot
-    take is reported before the long work."""
+    take, a recipe that quantizes nothing, a kv-cache scheme no attention
+    takes are reported before the long work."""
     from quantobs.calibration import Recipe, attach, detach
 
+    kv = kv_cache_args(kv_cache)
     for scheme in schemes:
         try:
-            attach(model, Recipe.from_scheme(scheme, ignore=ignore))
+            attach(model, Recipe.from_scheme(scheme, ignore=ignore, kv_cache_scheme=kv))
         except (KeyError, ValueError, TypeError) as error:
             message = error.args[0] if isinstance(error, KeyError) else error
             raise UsageError(
@@ -207,6 +222,8 @@ def _check_schemes(model: Any, schemes: list[str], ignore: list[str]) -> None:
             ) from None
         try:
             check_quantizes(model, scheme)
+            if kv_cache is not None:
+                check_attached(model, kv_cache)
         finally:
             detach(model)
 
@@ -216,6 +233,7 @@ def _compare(options: argparse.Namespace) -> None:
     from quantobs.report.compare import compare
 
     schemes, observers = _matrix(options)
+    kv_cache_args(options.kv_cache_scheme)  # a bad name: before any loading
     directory = model_dir(options.model)
     calibration = texts(options.data, calibration_texts(), "calibration")
     held_out = texts(options.heldout, heldout_texts(), "held-out")
@@ -225,7 +243,7 @@ def _compare(options: argparse.Namespace) -> None:
         _check_report_dir(options.report, options.overwrite)
     model, tokenizer = load_model(directory)
     ignore = default_ignore(model) if options.ignore is None else list(options.ignore)
-    _check_schemes(model, schemes, ignore)
+    _check_schemes(model, schemes, ignore, options.kv_cache_scheme)
     try:
         comparison = compare(
             model,
@@ -239,6 +257,7 @@ def _compare(options: argparse.Namespace) -> None:
             max_length=options.max_length,
             model_name=str(directory),
             progress=False if options.no_progress else None,
+            kv_cache_scheme=kv_cache_args(options.kv_cache_scheme),
         )
     except (IndexError, RuntimeError, TypeError) as error:
         raise model_failure(error, "calibration or held-out") from None

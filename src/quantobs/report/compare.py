@@ -277,6 +277,7 @@ def _run_cell(
     ignore: Sequence[str],
     calibration: Sequence[dict[str, Any]],
     held_out: HeldOut,
+    kv_cache_scheme: QuantizationArgs | None = None,
 ) -> Cell:
     cell_model = copy.deepcopy(model)
     start = time.perf_counter()
@@ -285,6 +286,7 @@ def _run_cell(
         ignore=list(ignore),
         weight_observer=job.resolved.weight_spec,
         input_observer=job.resolved.input,
+        kv_cache_scheme=kv_cache_scheme,
     )
     with _observer_notes() as notes:
         attach(cell_model, recipe)
@@ -382,6 +384,7 @@ def compare(
     model_name: str = "",
     progress: bool | None = None,
     on_cell: Callable[[Cell], None] | None = None,
+    kv_cache_scheme: QuantizationArgs | None = None,
 ) -> Comparison:
     """Calibrate and evaluate `model` under each scheme x observer row.
 
@@ -405,6 +408,8 @@ def compare(
         progress: a progress bar over the cells (None: when stderr is a
             terminal).
         on_cell: called with each cell as soon as it is measured.
+        kv_cache_scheme: args of the attention's k / v states, the same in
+            every cell (their observer: the args', by default static_minmax).
 
     Returns:
         The `Comparison`.
@@ -429,6 +434,7 @@ def compare(
             model_name=model_name,
             progress=progress,
             on_cell=on_cell,
+            kv_cache_scheme=kv_cache_scheme,
         )
     finally:
         model.train(training)
@@ -448,6 +454,7 @@ def _compare(
     model_name: str,
     progress: bool | None,
     on_cell: Callable[[Cell], None] | None,
+    kv_cache_scheme: QuantizationArgs | None,
 ) -> Comparison:
     start = time.perf_counter()
     calibration = text_batches(
@@ -472,7 +479,7 @@ def _compare(
     bar = _progress(jobs, progress)
     for job in bar:
         bar.set_postfix_str(f"{job.scheme} x {job.row}")
-        cell = _run_cell(model, job, ignore, calibration, held_out)
+        cell = _run_cell(model, job, ignore, calibration, held_out, kv_cache_scheme)
         result.cells.append(cell)
         if on_cell is not None:
             on_cell(cell)
