@@ -244,11 +244,22 @@ def test_bad_models_and_options_are_one_line(
     no_arch = _edited(root, "no-arch", architectures=None)
     unknown = _edited(root, "unknown", architectures=["LlamaForTelepathy"])
     other = _edited(root, "other", architectures=["LlamaForSequenceClassification"])
+    no_tokenizer = _edited(root, "no-tokenizer")
+    for path in no_tokenizer.glob("tokenizer*"):
+        path.unlink()
+    truncated = _edited(root, "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     out = root / "never"
+    capsys.readouterr()  # the progress bars of writing the decoders
     cases = [
         (no_arch, ["--scheme", "FP8"], "config.json names no architectures"),
         (unknown, ["--scheme", "FP8"], "names architecture 'LlamaForTelepathy'"),
         (other, ["--scheme", "FP8"], "fix config.json's architectures"),
+        (_edited(root, "bert", architectures=["BertModel"]), ["--scheme", "FP8"],
+         "a class of 'bert' models, but its model_type is 'llama'"),
+        (no_tokenizer, ["--scheme", "FP8"], "needs the model's tokenizer files"),
+        (truncated, ["--scheme", "FP8"], "(its weights): SafetensorError"),
         (llama, ["--scheme", "W4A16"], "group_size 128 does not divide"),
         (llama, ["--scheme", "FP8", "--ignore", "re:.*"], "quantizes nothing"),
         (llama, ["--scheme", "FP8", "--kv-cache-scheme", "int4"],

@@ -90,7 +90,8 @@ def ensure_pad_token(tokenizer: Any, vocab_size: int | None = None) -> str | Non
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    first = text.splitlines()[0].rstrip(" :") if text else ""
+    return f"{type(error).__name__}: {first}"
 
 
 def _check_weights(info: dict[str, Any], name: str, directory: Path) -> None:
@@ -107,6 +108,32 @@ def _check_weights(info: dict[str, Any], name: str, directory: Path) -> None:
                 f"the checkpoint in {directory} {what} {name} expects "
                 f"({shown}); fix config.json's architectures or the weights"
             )
+
+
+def _check_config_class(cls: Any, config: Any, directory: Path) -> None:
+    expected = getattr(cls, "config_class", None)
+    if isinstance(expected, type) and not isinstance(config, expected):
+        raise UsageError(
+            f"{directory / 'config.json'} names architecture {cls.__name__!r}, "
+            f"a class of {getattr(expected, 'model_type', '?')!r} models, but its "
+            f"model_type is {getattr(config, 'model_type', '?')!r}; name a "
+            f"{getattr(config, 'model_type', '?')} class"
+        )
+
+
+def _step(what: str, directory: Path, load: Any, **kwargs: Any) -> Any:
+    """`load(directory, local_files_only=True, **kwargs)`; any failure (a
+    missing or corrupt file, a class that does not fit) is one line."""
+    try:
+        return load(directory, local_files_only=True, **kwargs)
+    except Exception as error:
+        hint = ""
+        if what == "its tokenizer":
+            hint = "; the directory needs the model's tokenizer files"
+        raise UsageError(
+            f"transformers cannot load the model in {directory} ({what}): "
+            f"{_first_line(error)}{hint}"
+        ) from None
 
 
 def load_model(directory: Path) -> tuple[Any, Any]:
@@ -133,20 +160,19 @@ def load_model(directory: Path) -> tuple[Any, Any]:
     bar = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # transformers' "Loading weights" bar
     try:
-        config = transformers.AutoConfig.from_pretrained(
-            directory, local_files_only=True
-        )
+        config = _step("its config", directory, transformers.AutoConfig.from_pretrained)
         cls: Any = architecture_class(config, directory)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            directory, local_files_only=True
+        _check_config_class(cls, config, directory)
+        tokenizer = _step(
+            "its tokenizer", directory, transformers.AutoTokenizer.from_pretrained
         )
-        model, info = cls.from_pretrained(
-            directory, config=config, local_files_only=True, output_loading_info=True
+        model, info = _step(
+            "its weights",
+            directory,
+            cls.from_pretrained,
+            config=config,
+            output_loading_info=True,
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise UsageError(
-            f"transformers cannot load the model in {directory}: {_first_line(error)}"
-        ) from None
     finally:
         if bar:
             logging.enable_progress_bar()
