@@ -250,6 +250,7 @@ def test_bad_models_and_options_are_one_line(
     truncated = _edited(root, "truncated")
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+    qwen2 = _decoder(root, "qwen2")  # tied embeddings
     out = root / "never"
     capsys.readouterr()  # the progress bars of writing the decoders
     cases = [
@@ -262,6 +263,8 @@ def test_bad_models_and_options_are_one_line(
         (truncated, ["--scheme", "FP8"], "(its weights): SafetensorError"),
         (llama, ["--scheme", "W4A16"], "group_size 128 does not divide"),
         (llama, ["--scheme", "FP8", "--ignore", "re:.*"], "quantizes nothing"),
+        (qwen2, ["--scheme", "FP8", "--ignore", "re:nothing"],
+         "lm_head is tied to the input embeddings"),
         (llama, ["--scheme", "FP8", "--kv-cache-scheme", "int4"],
          "unknown --kv-cache-scheme 'int4'; one of FP8, INT8"),
     ]  # fmt: skip

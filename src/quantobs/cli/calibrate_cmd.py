@@ -37,6 +37,7 @@ from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
     check_quantizes,
+    check_tied_head,
     default_ignore,
     model_dir,
     model_failure,
@@ -275,6 +276,7 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
         message = error.args[0] if isinstance(error, KeyError) else error
         raise UsageError(f"cannot attach the observers: {message}") from None
     check_quantizes(model, scheme)
+    check_tied_head(model)
     if options.kv_cache_scheme is not None:
         check_attached(model, options.kv_cache_scheme)
     if options.resume is not None:

@@ -30,6 +30,7 @@ from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
     check_quantizes,
+    check_tied_head,
     default_ignore,
     model_dir,
     model_failure,
@@ -222,6 +223,7 @@ def _check_schemes(
             ) from None
         try:
             check_quantizes(model, scheme)
+            check_tied_head(model)
             if kv_cache is not None:
                 check_attached(model, kv_cache)
         finally:

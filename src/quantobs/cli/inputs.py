@@ -19,6 +19,7 @@ __all__ = [
     "UsageError",
     "add_text_options",
     "check_quantizes",
+    "check_tied_head",
     "default_ignore",
     "model_dir",
     "model_failure",
@@ -184,6 +185,32 @@ def check_quantizes(model: Any, scheme: str) -> None:
             f"scheme {scheme} quantizes nothing in this model: no layer it "
             "targets (Linear) is left outside --ignore; check --ignore or the "
             "model's layer types"
+        )
+
+
+def check_tied_head(model: Any) -> None:
+    """Refuse observers on an output head tied to the input embeddings.
+
+    A tied `lm_head` is one tensor with the embeddings, written once; a
+    quantized head would need its own tensor and an untied config.
+
+    Raises:
+        UsageError: the recipe quantizes a tied head.
+    """
+    from quantobs.calibration.attach import attachment_of
+    from quantobs.report.tasks import output_head
+
+    head = output_head(model)
+    if head is None:
+        return
+    weight = getattr(model.get_submodule(head), "weight", None)
+    embeddings = model.get_input_embeddings()
+    if weight is None or weight is not getattr(embeddings, "weight", None):
+        return
+    if any(entry.name == head for entry in attachment_of(model).entries):
+        raise UsageError(
+            f"{head} is tied to the input embeddings (tie_word_embeddings) and "
+            f"cannot be quantized apart from them; keep it in --ignore ({head})"
         )
 
 
