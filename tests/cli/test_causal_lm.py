@@ -293,3 +293,8 @@ def test_help_documents_the_defaults(capsys: pytest.CaptureFixture[str]) -> None
     text = " ".join(capsys.readouterr().out.split())
     assert "a causal LM's output head, lm_head" in text
     assert "--kv-cache-scheme NAME" in text and "FP8, INT8" in text
+    assert main(["compare", "--help"]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the verdict picks the observer of lowest KL" in text
+    for title in ("KL nats", "top-1 token", "perplexity"):
+        assert f"{title}: " in text
