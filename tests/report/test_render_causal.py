@@ -115,6 +115,14 @@ def test_csv_and_json_carry_the_causal_metrics() -> None:
     assert data["cells"][0]["cosine_mean"] is None
 
 
+def test_html_report_shows_the_causal_columns(tmp_path: Path) -> None:
+    path = write_report(make_comparison(), tmp_path / "report", format="html")
+    text = path.read_text(encoding="utf-8")
+    assert "<th>KL nats</th>" in text and "<dt>perplexity</dt>" in text
+    assert "cos mean" not in text
+    assert "W4A16: use mse" in text
+
+
 def test_markdown_report_defines_the_causal_metrics(tmp_path: Path) -> None:
     path = write_report(make_comparison(), tmp_path / "report", format="markdown")
     text = path.read_text(encoding="utf-8")
