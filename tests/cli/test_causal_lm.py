@@ -19,7 +19,7 @@ from quantobs.cli import EXIT_OK, EXIT_USAGE, build_parser, main
 from quantobs.cli.calibrate_cmd import _recipe
 from quantobs.cli.kv_cache import KV_CACHE_SCHEMES
 from quantobs.cli.model_loading import ensure_pad_token
-from tests.decoders import save_decoder, tiny_tokenizer
+from tests.decoders import VOCAB, save_decoder, tiny_tokenizer
 
 #: transformers warns that the checkpoint's own quantization_config wins over
 #: the one passed to from_pretrained (only `dequantize` is taken from ours).
@@ -237,6 +237,25 @@ def _edited(root: Path, name: str, **fields: object) -> Path:
     return directory
 
 
+def _narrow(root: Path) -> Path:
+    """A one-layer llama of 48 features: W4A16's groups of 128 do not fit."""
+    directory = root / "narrow"
+    if not directory.exists():
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+        tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
 def test_bad_models_and_options_are_one_line(
     capsys: pytest.CaptureFixture[str], root: Path, data: Path
 ) -> None:
@@ -251,6 +270,7 @@ def test_bad_models_and_options_are_one_line(
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     qwen2 = _decoder(root, "qwen2")  # tied embeddings
+    narrow = _narrow(root)
     out = root / "never"
     capsys.readouterr()  # the progress bars of writing the decoders
     cases = [
@@ -261,7 +281,7 @@ def test_bad_models_and_options_are_one_line(
          "a class of 'bert' models, but its model_type is 'llama'"),
         (no_tokenizer, ["--scheme", "FP8"], "needs the model's tokenizer files"),
         (truncated, ["--scheme", "FP8"], "(its weights): SafetensorError"),
-        (llama, ["--scheme", "W4A16"], "group_size 128 does not divide"),
+        (narrow, ["--scheme", "W4A16"], "group_size 128 does not divide"),
         (llama, ["--scheme", "FP8", "--ignore", "re:.*"], "quantizes nothing"),
         (qwen2, ["--scheme", "FP8", "--ignore", "re:nothing"],
          "lm_head is tied to the input embeddings"),
