@@ -248,7 +248,9 @@ def _quantize_weights(
 
 class _InputEnergies:
     """Forward pre-hooks summing each quantized input's signal and noise
-    energies (compressed-tensors' own fake quantization of the input)."""
+    energies (compressed-tensors' own fake quantization of the input), on
+    the layers with a weight (an attention module whose states a kv-cache
+    scheme quantizes takes its inputs by keyword: not measured here)."""
 
     def __init__(self, parts: list[tuple[str, torch.nn.Module, Any]]) -> None:
         self.sums: dict[str, list[float]] = {}
@@ -256,12 +258,15 @@ class _InputEnergies:
             module.register_forward_pre_hook(self._hook(name, scheme.input_activations))
             for name, module, scheme in parts
             if scheme.input_activations is not None
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
         ]
 
     def _hook(self, name: str, args: Any) -> Any:
         from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+            if not inputs or not isinstance(inputs[0], torch.Tensor):
+                return
             x = inputs[0]
             fake = forward_quantize(module, x, "input", args)
             sums = self.sums.setdefault(name, [0.0, 0.0])
