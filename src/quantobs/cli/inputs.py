@@ -88,8 +88,8 @@ def add_text_options(parser: argparse.ArgumentParser, heldout_use: str) -> None:
         default=None,
         metavar="PATTERN",
         help="module names or 're:' expressions left unquantized (default: "
-        "a causal LM's output head, lm_head, as llm-compressor's examples; "
-        f"{POOLER_IGNORE!r} when the model has a pooler; else none)",
+        "the model's output head, a causal LM's lm_head, as llm-compressor's "
+        f"examples; {POOLER_IGNORE!r} when the model has a pooler)",
     )
 
 
@@ -160,16 +160,19 @@ def texts(data: Path | None, default: Sequence[str], what: str) -> list[str]:
 def default_ignore(model: Any) -> list[str]:
     """The modules left unquantized when `--ignore` is not given.
 
-    A causal LM's output head (`lm_head`), as llm-compressor's examples
-    leave it; `[POOLER_IGNORE]` when the model has a pooler; else nothing.
+    The model's output head (a causal LM's `lm_head`, as llm-compressor's
+    examples leave it; a masked LM's decoder), and `POOLER_IGNORE` when the
+    model has a pooler; nothing for a base model without one (MiniLM:
+    `[POOLER_IGNORE]`).
     """
-    from quantobs.report.tasks import CAUSAL_LM, output_head, task_of
+    from quantobs.report.tasks import output_head
 
-    if task_of(model) == CAUSAL_LM:
-        head = output_head(model)
-        return [] if head is None else [head]
+    head = output_head(model)
+    found = [] if head is None else [head]
     names = (name for name, _ in model.named_modules())
-    return [POOLER_IGNORE] if any("pooler" in name for name in names) else []
+    if any("pooler" in name for name in names):
+        found.append(POOLER_IGNORE)
+    return found
 
 
 def check_quantizes(model: Any, scheme: str) -> None:
