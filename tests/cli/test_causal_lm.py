@@ -311,10 +311,27 @@ def test_bad_models_and_options_are_one_line(
 def test_help_documents_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["calibrate", "--help"]) == EXIT_OK
     text = " ".join(capsys.readouterr().out.split())
-    assert "a causal LM's output head, lm_head" in text
+    assert "the model's output head, a causal LM's lm_head" in text
     assert "--kv-cache-scheme NAME" in text and "FP8, INT8" in text
     assert main(["compare", "--help"]) == EXIT_OK
     text = " ".join(capsys.readouterr().out.split())
     assert "the verdict picks the observer of lowest KL" in text
     for title in ("KL nats", "top-1 token", "perplexity"):
         assert f"{title}: " in text
+
+
+def test_default_ignore_is_the_output_head_and_the_pooler() -> None:
+    from quantobs.cli.inputs import POOLER_IGNORE, default_ignore
+    from tests.decoders import build_decoder
+
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
+    assert default_ignore(build_decoder("llama")) == ["lm_head"]
+    assert default_ignore(transformers.BertModel(config)) == [POOLER_IGNORE]
+    masked = transformers.BertForMaskedLM(config)
+    assert default_ignore(masked) == ["cls.predictions.decoder"]
