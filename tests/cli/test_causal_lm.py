@@ -276,6 +276,7 @@ def test_bad_models_and_options_are_one_line(
     cases = [
         (no_arch, ["--scheme", "FP8"], "config.json names no architectures"),
         (unknown, ["--scheme", "FP8"], "names architecture 'LlamaForTelepathy'"),
+        (unknown, ["--scheme", "FP8"], "name one of LlamaForCausalLM, "),
         (other, ["--scheme", "FP8"], "fix config.json's architectures"),
         (_edited(root, "bert", architectures=["BertModel"]), ["--scheme", "FP8"],
          "a class of 'bert' models, but its model_type is 'llama'"),

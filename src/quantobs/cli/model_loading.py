@@ -25,7 +25,7 @@ from typing import Any
 
 from quantobs.cli.inputs import UsageError
 
-__all__ = ["architecture_class", "ensure_pad_token", "load_model"]
+__all__ = ["architecture_class", "classes_of", "ensure_pad_token", "load_model"]
 
 
 def architecture_class(config: Any, directory: Path) -> type:
@@ -47,12 +47,29 @@ def architecture_class(config: Any, directory: Path) -> type:
     if not isinstance(found, type) or not issubclass(
         found, transformers.PreTrainedModel
     ):
+        known = classes_of(getattr(config, "model_type", None))
+        fix = f"one of {', '.join(known)}" if known else "a transformers model class"
         raise UsageError(
             f"{directory / 'config.json'} names architecture {name!r}, which "
             f"transformers {transformers.__version__} does not have (custom "
-            "code is not run); name a transformers model class"
+            f"code is not run); name {fix}"
         )
     return found
+
+
+def classes_of(model_type: str | None) -> list[str]:
+    """The model classes transformers' auto mappings list for `model_type`
+    (`"llama"`: `LlamaForCausalLM`, `LlamaModel`, ...), sorted."""
+    from transformers.models.auto import modeling_auto
+
+    found: set[str] = set()
+    for name in dir(modeling_auto):
+        if not (name.startswith("MODEL_") and name.endswith("_MAPPING_NAMES")):
+            continue
+        value = getattr(modeling_auto, name).get(model_type)
+        if value:
+            found.update([value] if isinstance(value, str) else value)
+    return sorted(found)
 
 
 def _fits(tokenizer: Any, token: Any, vocab_size: int | None) -> bool:
@@ -113,11 +130,13 @@ def _check_weights(info: dict[str, Any], name: str, directory: Path) -> None:
 def _check_config_class(cls: Any, config: Any, directory: Path) -> None:
     expected = getattr(cls, "config_class", None)
     if isinstance(expected, type) and not isinstance(config, expected):
+        model_type = getattr(config, "model_type", None)
+        known = classes_of(model_type)
+        fix = f"one of {', '.join(known)}" if known else f"a {model_type} class"
         raise UsageError(
             f"{directory / 'config.json'} names architecture {cls.__name__!r}, "
             f"a class of {getattr(expected, 'model_type', '?')!r} models, but its "
-            f"model_type is {getattr(config, 'model_type', '?')!r}; name a "
-            f"{getattr(config, 'model_type', '?')} class"
+            f"model_type is {model_type!r}; name {fix}"
         )
 
 
