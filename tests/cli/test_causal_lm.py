@@ -191,11 +191,6 @@ def test_kv_cache_scheme_reaches_the_recipe() -> None:
     assert kv is not None and (kv.type, kv.symmetric) == ("int", True)
 
 
-@pytest.mark.xfail(
-    reason="k/v observers on every attention module come with the kv-cache "
-    "branch of issue 22 (calibration/); to be completed at merge",
-    strict=False,
-)
 def test_kv_cache_scheme_end_to_end(
     capsys: pytest.CaptureFixture[str], root: Path, data: Path
 ) -> None:
@@ -217,6 +212,14 @@ def test_kv_cache_scheme_end_to_end(
     keys = _keys(out)
     assert "model.layers.0.self_attn.k_scale" in keys
     assert "model.layers.1.self_attn.v_scale" in keys
+    code, stdout, err = _cli(
+        capsys, "compare", "--model", str(_decoder(root, "llama")),
+        "--schemes", "FP8", "--observers", "minmax", "--kv-cache-scheme", "FP8",
+        "--data", str(data), "--heldout", str(data), "--batch-size", "2",
+        "--no-progress",
+    )  # fmt: skip
+    assert code == EXIT_OK, err
+    assert "KL nats" in stdout
 
 
 # ------------------------------------------------------------ errors
