@@ -9,9 +9,11 @@
     quantobs info    versions, and which backend runs the kernels
 
 Exit codes: 0 success, 2 a usage error (bad option, unknown scheme or
-observer, missing model path, a model transformers cannot load, unreadable
-or empty data, a layer the scheme cannot take, an existing or unwritable
-output directory), 1 an unexpected failure.
+observer, missing model path, a model transformers cannot load, a config
+naming no architecture or one transformers lacks, weights that do not fit
+it, unreadable or empty data, a layer the scheme cannot take, a scheme that
+quantizes nothing, an existing or unwritable output directory), 1 an
+unexpected failure.
 """
 
 from __future__ import annotations

@@ -6,12 +6,16 @@ checkpoint.
                         --input-observer NAME]
                        [--data FILE] [--heldout FILE]
                        [--batch-size 16] [--max-length 128]
-                       [--ignore PATTERN ...] --out DIR
-                       [--resume STATE] [--save-state STATE]
+                       [--ignore PATTERN ...] [--kv-cache-scheme FP8|INT8]
+                       --out DIR [--resume STATE] [--save-state STATE]
                        [--distributed] [--no-progress]
 
-Loads the model with `AutoModel` and `AutoTokenizer` (offline), attaches the
-observers of the preset scheme, optionally resumes a saved calibration
+Loads the model as the class its `config.json` names and its tokenizer (with
+a pad token where it has none), offline (`quantobs.cli.model_loading`);
+attaches the observers of the preset scheme (and of the k / v attention
+states with `--kv-cache-scheme`, `quantobs.cli.kv_cache`); a causal LM's
+`lm_head` is left unquantized unless `--ignore` says otherwise. Then it
+optionally resumes a saved calibration
 state, calibrates on `--data` (or the packaged calibration corpus), optionally
 saves the state, writes the checkpoint with `save_compressed` and prints the
 report, the held-out metrics of the quantized model against the unquantized
@@ -32,12 +36,16 @@ from typing import Any
 from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
+    check_quantizes,
+    check_tied_head,
     default_ignore,
-    load_model,
     model_dir,
+    model_failure,
     scheme_name,
     texts,
 )
+from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
+from quantobs.cli.model_loading import load_model
 
 __all__ = ["add_parser", "run_calibrate", "shard"]
 
@@ -92,6 +100,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="observer of the input activations (default: the scheme's)",
     )
     add_text_options(parser, "the result is evaluated on")
+    parser.add_argument(
+        "--kv-cache-scheme",
+        default=None,
+        metavar="NAME",
+        help="also quantize the attention's key and value states (the kv "
+        "cache), static per tensor, symmetric: "
+        + ", ".join(KV_CACHE_SCHEMES)
+        + " (FP8: float8_e4m3fn, as llm-compressor's examples); default: none",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -153,7 +170,11 @@ def _recipe(options: argparse.Namespace, scheme: str, ignore: list[str]) -> Any:
     weight = options.observer or options.weight_observer
     inputs = options.observer or options.input_observer
     return Recipe.from_scheme(
-        scheme, ignore=ignore, weight_observer=weight, input_observer=inputs
+        scheme,
+        ignore=ignore,
+        weight_observer=weight,
+        input_observer=inputs,
+        kv_cache_scheme=kv_cache_args(options.kv_cache_scheme),
     )
 
 
@@ -235,20 +256,29 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     if group is not None and group.device is not None:
         model.to(group.device)
     ignore = default_ignore(model) if options.ignore is None else options.ignore
-    held_out = HeldOut.of(
-        model,
-        text_batches(
-            tokenizer,
-            held_out_texts,
-            batch_size=options.batch_size,
-            max_length=options.max_length,
-        ),
-    )
+    try:
+        held_out = HeldOut.of(
+            model,
+            text_batches(
+                tokenizer,
+                held_out_texts,
+                batch_size=options.batch_size,
+                max_length=options.max_length,
+            ),
+        )
+    except ValueError as error:
+        raise UsageError(f"--heldout: {error}") from None
+    except (IndexError, RuntimeError, TypeError) as error:
+        raise model_failure(error, "held-out") from None
     try:
         attach(model, _recipe(options, scheme, list(ignore)))
     except (KeyError, ValueError, TypeError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error
         raise UsageError(f"cannot attach the observers: {message}") from None
+    check_quantizes(model, scheme)
+    check_tied_head(model)
+    if options.kv_cache_scheme is not None:
+        check_attached(model, options.kv_cache_scheme)
     if options.resume is not None:
         try:
             load_state(model, options.resume)

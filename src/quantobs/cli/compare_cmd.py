@@ -3,13 +3,17 @@
     quantobs compare [--model DIR] [--schemes NAME ...] [--observers NAME ...]
                      [--quick] [--data FILE] [--heldout FILE]
                      [--batch-size 16] [--max-length 128] [--ignore PATTERN ...]
+                     [--kv-cache-scheme FP8|INT8]
                      [--format table|json|csv]
                      [--report DIR] [--report-format html|markdown]
                      [--overwrite] [--no-progress]
 
-Calibrates the model under each scheme x observer row on the calibration
-texts, evaluates each against the unquantized model on the held-out texts
-(`quantobs.report.compare`) and prints a table per scheme with the best of
+Loads the model as the class its `config.json` names
+(`quantobs.cli.model_loading`), calibrates it under each scheme x observer
+row on the calibration texts, evaluates each against the unquantized model
+on the held-out texts (`quantobs.report.compare`; a causal LM by its
+next-token KL, top-1 agreement and perplexity, other models by their
+embeddings) and prints a table per scheme with the best of
 each column marked and a verdict; `--report DIR` also writes an HTML (or
 Markdown) report with plots.
 """
@@ -25,13 +29,17 @@ from typing import Any
 from quantobs.cli.inputs import (
     UsageError,
     add_text_options,
+    check_quantizes,
+    check_tied_head,
     default_ignore,
-    load_model,
     model_dir,
+    model_failure,
     observer_name,
     scheme_name,
     texts,
 )
+from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
+from quantobs.cli.model_loading import load_model
 
 __all__ = ["add_parser", "run_compare"]
 
@@ -45,7 +53,7 @@ _PIPED_WIDTH = 150
 
 def _epilog() -> str:
     from quantobs.report.compare import ROWS, spec_text
-    from quantobs.report.render import METRIC_DEFINITIONS
+    from quantobs.report.render import CAUSAL_METRIC_DEFINITIONS, METRIC_DEFINITIONS
 
     rows = "\n".join(
         f"  {row:<16} weights: {spec_text(weight)}, static inputs: {inputs}"
@@ -53,6 +61,9 @@ def _epilog() -> str:
     )
     metrics = "\n".join(
         f"  {name}: {text}" for name, text in METRIC_DEFINITIONS.items()
+    )
+    causal = "\n".join(
+        f"  {name}: {text}" for name, text in CAUSAL_METRIC_DEFINITIONS.items()
     )
     return (
         f"observer rows:\n{rows}\n  any other registered observer name runs "
@@ -62,6 +73,10 @@ def _epilog() -> str:
         "skipped. Warnings an observer gives (entropy or\n  percentile on a "
         "float format) are footnotes [k] of its row.\n\n"
         f"metrics (held-out texts, quantized vs unquantized model):\n{metrics}"
+        "\n\ncausal LMs (the class config.json names maps to a causal LM) are "
+        "scored by\ntheir own next-token predictions instead of the four "
+        "embedding metrics;\nthe verdict picks the observer of lowest KL "
+        f"(within 0.001 nats: keep minmax):\n{causal}"
     )
 
 
@@ -116,6 +131,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="the smaller default matrix (schemes and observers not given)",
     )
     add_text_options(parser, "the metrics are computed on (at least 3)")
+    parser.add_argument(
+        "--kv-cache-scheme",
+        default=None,
+        metavar="NAME",
+        help="also quantize the attention's key and value states in every "
+        "cell, static per tensor, symmetric: "
+        + ", ".join(KV_CACHE_SCHEMES)
+        + " (FP8: float8_e4m3fn); default: none",
+    )
     parser.add_argument(
         "--format",
         choices=_FORMATS,
@@ -179,21 +203,31 @@ def _matrix(options: argparse.Namespace) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(names)), list(dict.fromkeys(observers))
 
 
-def _check_schemes(model: Any, schemes: list[str], ignore: list[str]) -> None:
+def _check_schemes(
+    model: Any, schemes: list[str], ignore: list[str], kv_cache: str | None
+) -> None:
     """Attach (and detach) each scheme's observers: a layer a scheme cannot
-    take is reported before the long work."""
+    take, a recipe that quantizes nothing, a kv-cache scheme no attention
+    takes are reported before the long work."""
     from quantobs.calibration import Recipe, attach, detach
 
+    kv = kv_cache_args(kv_cache)
     for scheme in schemes:
         try:
-            attach(model, Recipe.from_scheme(scheme, ignore=ignore))
+            attach(model, Recipe.from_scheme(scheme, ignore=ignore, kv_cache_scheme=kv))
         except (KeyError, ValueError, TypeError) as error:
             message = error.args[0] if isinstance(error, KeyError) else error
             raise UsageError(
                 f"scheme {scheme}: {message} (on the command line: --ignore "
                 "NAME_OR_RE ...)"
             ) from None
-        detach(model)
+        try:
+            check_quantizes(model, scheme)
+            check_tied_head(model)
+            if kv_cache is not None:
+                check_attached(model, kv_cache)
+        finally:
+            detach(model)
 
 
 def _compare(options: argparse.Namespace) -> None:
@@ -201,6 +235,7 @@ def _compare(options: argparse.Namespace) -> None:
     from quantobs.report.compare import compare
 
     schemes, observers = _matrix(options)
+    kv_cache_args(options.kv_cache_scheme)  # a bad name: before any loading
     directory = model_dir(options.model)
     calibration = texts(options.data, calibration_texts(), "calibration")
     held_out = texts(options.heldout, heldout_texts(), "held-out")
@@ -210,20 +245,24 @@ def _compare(options: argparse.Namespace) -> None:
         _check_report_dir(options.report, options.overwrite)
     model, tokenizer = load_model(directory)
     ignore = default_ignore(model) if options.ignore is None else list(options.ignore)
-    _check_schemes(model, schemes, ignore)
-    comparison = compare(
-        model,
-        tokenizer,
-        calibration,
-        held_out,
-        schemes=schemes,
-        observers=observers,
-        ignore=ignore,
-        batch_size=options.batch_size,
-        max_length=options.max_length,
-        model_name=str(directory),
-        progress=False if options.no_progress else None,
-    )
+    _check_schemes(model, schemes, ignore, options.kv_cache_scheme)
+    try:
+        comparison = compare(
+            model,
+            tokenizer,
+            calibration,
+            held_out,
+            schemes=schemes,
+            observers=observers,
+            ignore=ignore,
+            batch_size=options.batch_size,
+            max_length=options.max_length,
+            model_name=str(directory),
+            progress=False if options.no_progress else None,
+            kv_cache_scheme=kv_cache_args(options.kv_cache_scheme),
+        )
+    except (IndexError, RuntimeError, TypeError) as error:
+        raise model_failure(error, "calibration or held-out") from None
     _print(comparison, options.format)
     if options.report is not None:
         from quantobs.report.document import write_report

@@ -18,9 +18,11 @@ __all__ = [
     "POOLER_IGNORE",
     "UsageError",
     "add_text_options",
+    "check_quantizes",
+    "check_tied_head",
     "default_ignore",
-    "load_model",
     "model_dir",
+    "model_failure",
     "observer_name",
     "scheme_name",
     "texts",
@@ -86,7 +88,8 @@ def add_text_options(parser: argparse.ArgumentParser, heldout_use: str) -> None:
         default=None,
         metavar="PATTERN",
         help="module names or 're:' expressions left unquantized (default: "
-        f"{POOLER_IGNORE!r} when the model has a pooler, else none)",
+        "the model's output head, a causal LM's lm_head, as llm-compressor's "
+        f"examples; {POOLER_IGNORE!r} when the model has a pooler)",
     )
 
 
@@ -154,39 +157,72 @@ def texts(data: Path | None, default: Sequence[str], what: str) -> list[str]:
         raise UsageError(f"cannot read the {what} data: {error}") from None
 
 
-def load_model(directory: Path) -> tuple[Any, Any]:
-    """`(model, tokenizer)` of `directory` with transformers' `AutoModel` and
-    `AutoTokenizer`, offline; the model in eval mode."""
-    import logging as std_logging
-
-    # transformers imports torchao where it is installed (the `peers`
-    # extra): its CUDA extensions fail to load on a CPU build and torch's
-    # pytree warns about its enums, neither of which concerns this run.
-    for name in ("torchao", "torch.utils._pytree"):
-        std_logging.getLogger(name).setLevel(std_logging.ERROR)
-    import transformers
-    from transformers.utils import logging
-
-    bar = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()  # transformers' "Loading weights" bar
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            directory, local_files_only=True
-        )
-        model = transformers.AutoModel.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UsageError(
-            f"transformers cannot load the model in {directory}: "
-            f"{type(error).__name__}: {first}"
-        ) from None
-    finally:
-        if bar:
-            logging.enable_progress_bar()
-    return model.eval(), tokenizer
-
-
 def default_ignore(model: Any) -> list[str]:
-    """`[POOLER_IGNORE]` when the model has a pooler, else nothing."""
+    """The modules left unquantized when `--ignore` is not given.
+
+    The model's output head (a causal LM's `lm_head`, as llm-compressor's
+    examples leave it; a masked LM's decoder), and `POOLER_IGNORE` when the
+    model has a pooler; nothing for a base model without one (MiniLM:
+    `[POOLER_IGNORE]`).
+    """
+    from quantobs.report.tasks import output_head
+
+    head = output_head(model)
+    found = [] if head is None else [head]
     names = (name for name, _ in model.named_modules())
-    return [POOLER_IGNORE] if any("pooler" in name for name in names) else []
+    if any("pooler" in name for name in names):
+        found.append(POOLER_IGNORE)
+    return found
+
+
+def check_quantizes(model: Any, scheme: str) -> None:
+    """Refuse a recipe that attached no observer (nothing to quantize).
+
+    Raises:
+        UsageError: the scheme's targets matched no layer outside --ignore.
+    """
+    from quantobs.calibration.attach import attachment_of
+
+    if not attachment_of(model).entries:
+        raise UsageError(
+            f"scheme {scheme} quantizes nothing in this model: no layer it "
+            "targets (Linear) is left outside --ignore; check --ignore or the "
+            "model's layer types"
+        )
+
+
+def check_tied_head(model: Any) -> None:
+    """Refuse observers on an output head tied to the input embeddings.
+
+    A tied `lm_head` is one tensor with the embeddings, written once; a
+    quantized head would need its own tensor and an untied config.
+
+    Raises:
+        UsageError: the recipe quantizes a tied head.
+    """
+    from quantobs.calibration.attach import attachment_of
+    from quantobs.report.tasks import output_head
+
+    head = output_head(model)
+    if head is None:
+        return
+    weight = getattr(model.get_submodule(head), "weight", None)
+    embeddings = model.get_input_embeddings()
+    if weight is None or weight is not getattr(embeddings, "weight", None):
+        return
+    if any(entry.name == head for entry in attachment_of(model).entries):
+        raise UsageError(
+            f"{head} is tied to the input embeddings (tie_word_embeddings) and "
+            f"cannot be quantized apart from them; keep it in --ignore ({head})"
+        )
+
+
+def model_failure(error: BaseException, what: str) -> UsageError:
+    """The one-line error of a model that fails on the texts (a tokenizer
+    whose ids the embeddings lack, a config that does not fit the weights)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return UsageError(
+        f"the model fails on the {what} texts: {type(error).__name__}: {first}; "
+        "check that the tokenizer belongs to the model"
+    )

@@ -1,5 +1,11 @@
 """Metrics and reports of quantized models against the unquantized one."""
 
+from quantobs.report.causal import (
+    next_token_kl,
+    next_token_positions,
+    perplexity,
+    token_agreement,
+)
 from quantobs.report.metrics import (
     cosine_to_reference,
     mean_pool,
@@ -14,8 +20,12 @@ __all__ = [
     "cosine_to_reference",
     "mean_pool",
     "neighbour_agreement",
+    "next_token_kl",
+    "next_token_positions",
     "pairwise_spearman",
+    "perplexity",
     "spearman",
     "sqnr_db",
     "sqnr_db_from_energies",
+    "token_agreement",
 ]

@@ -70,8 +70,10 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import preset_scheme
 from quantobs.observers.base import Observer
 from quantobs.observers.fit import ObjectiveFitWarning
+from quantobs.report.causal import perplexity
 from quantobs.report.evaluate import HeldOut, embed, evaluate, input_ranges
 from quantobs.report.results import Cell, Comparison, LayerHistogram, Skipped
+from quantobs.report.tasks import CAUSAL_LM
 
 __all__ = [
     "DEFAULT_OBSERVERS",
@@ -275,6 +277,7 @@ def _run_cell(
     ignore: Sequence[str],
     calibration: Sequence[dict[str, Any]],
     held_out: HeldOut,
+    kv_cache_scheme: QuantizationArgs | None = None,
 ) -> Cell:
     cell_model = copy.deepcopy(model)
     start = time.perf_counter()
@@ -283,6 +286,7 @@ def _run_cell(
         ignore=list(ignore),
         weight_observer=job.resolved.weight_spec,
         input_observer=job.resolved.input,
+        kv_cache_scheme=kv_cache_scheme,
     )
     with _observer_notes() as notes:
         attach(cell_model, recipe)
@@ -299,6 +303,9 @@ def _run_cell(
         cosine_worst=evaluation.cosine_worst,
         neighbours=evaluation.neighbours,
         spearman=evaluation.spearman,
+        kl_divergence=evaluation.kl_divergence,
+        token_agreement=evaluation.token_agreement,
+        perplexity=evaluation.perplexity,
         weight_sqnr=evaluation.weight_sqnr,
         input_sqnr=evaluation.input_sqnr,
         input_ranges=ranges,
@@ -377,6 +384,7 @@ def compare(
     model_name: str = "",
     progress: bool | None = None,
     on_cell: Callable[[Cell], None] | None = None,
+    kv_cache_scheme: QuantizationArgs | None = None,
 ) -> Comparison:
     """Calibrate and evaluate `model` under each scheme x observer row.
 
@@ -385,7 +393,9 @@ def compare(
     cells); a model given in train mode is put back in it at the end.
 
     Args:
-        model: an unquantized transformers base model (`AutoModel`).
+        model: an unquantized transformers model: a causal LM (scored by
+            its next-token predictions) or any other (scored by its
+            mean-pooled hidden states); see `quantobs.report.tasks`.
         tokenizer: its tokenizer.
         calibration_texts: the texts observed during calibration.
         heldout_texts: the texts the metrics are computed on (at least 3).
@@ -398,6 +408,8 @@ def compare(
         progress: a progress bar over the cells (None: when stderr is a
             terminal).
         on_cell: called with each cell as soon as it is measured.
+        kv_cache_scheme: args of the attention's k / v states, the same in
+            every cell (their observer: the args', by default static_minmax).
 
     Returns:
         The `Comparison`.
@@ -422,6 +434,7 @@ def compare(
             model_name=model_name,
             progress=progress,
             on_cell=on_cell,
+            kv_cache_scheme=kv_cache_scheme,
         )
     finally:
         model.train(training)
@@ -441,6 +454,7 @@ def _compare(
     model_name: str,
     progress: bool | None,
     on_cell: Callable[[Cell], None] | None,
+    kv_cache_scheme: QuantizationArgs | None,
 ) -> Comparison:
     start = time.perf_counter()
     calibration = text_batches(
@@ -460,14 +474,17 @@ def _compare(
         calibration_texts=len(calibration_texts),
         heldout_texts=len(heldout_texts),
         skipped=skipped,
+        task=held_out.task,
     )
     bar = _progress(jobs, progress)
     for job in bar:
         bar.set_postfix_str(f"{job.scheme} x {job.row}")
-        cell = _run_cell(model, job, ignore, calibration, held_out)
+        cell = _run_cell(model, job, ignore, calibration, held_out, kv_cache_scheme)
         result.cells.append(cell)
         if on_cell is not None:
             on_cell(cell)
     result.histogram = _histogram(model, result.cells, held_out)
+    if held_out.task == CAUSAL_LM and held_out.targets is not None:
+        result.reference_perplexity = perplexity(held_out.reference, held_out.targets)
     result.seconds = time.perf_counter() - start
     return result

@@ -5,7 +5,8 @@ document beside them: `report.html`, self-contained (the figures embedded as
 base64 data URIs, inline CSS, no external reference), or `report.md` (the
 figures referenced by relative path). Both hold the run's settings, the
 verdicts, one table per scheme with the best values marked, the figures,
-the metric definitions (`render.METRIC_DEFINITIONS`) and the skipped rows.
+the metric definitions of the model's task (`render.metric_definitions`) and
+the skipped rows.
 
 Nothing is half-written: the files are written into a hidden directory
 beside `out_dir`, which then takes its place by one rename. The outcomes:
@@ -41,16 +42,17 @@ import quantobs
 from quantobs.report import plots
 from quantobs.report.render import (
     BEST_MARK,
-    COLUMNS,
-    METRIC_DEFINITIONS,
     best_cells,
+    columns,
     footnotes,
+    metric_definitions,
     note_marks,
     observers_run,
     scheme_order,
     verdict,
 )
 from quantobs.report.results import Comparison
+from quantobs.report.tasks import main_metric
 
 __all__ = ["REPORT_NAMES", "write_report"]
 
@@ -77,7 +79,8 @@ def _write_figures(comparison: Comparison, directory: Path) -> list[_Figure]:
         ),
         (
             plots.plot_quality_vs_time(comparison, directory / "quality_vs_time.png"),
-            "Cos mean against calibration time, one point per scheme and observer.",
+            f"{main_metric(comparison.task).title.capitalize()} against "
+            "calibration time, one point per scheme and observer.",
         ),
         (
             plots.plot_worst_layer(comparison, directory / "worst_layer.png"),
@@ -97,6 +100,12 @@ def _settings(comparison: Comparison) -> list[tuple[str, str]]:
         ("observers", ", ".join(comparison.observers)),
         ("calibration texts", str(comparison.calibration_texts)),
         ("held-out texts", str(comparison.heldout_texts)),
+        ("task", comparison.task),
+        *(
+            [("unquantized perplexity", f"{comparison.reference_perplexity:.2f}")]
+            if comparison.reference_perplexity is not None
+            else []
+        ),
         ("total time", f"{comparison.seconds:.1f} s"),
         ("quantobs", quantobs.__version__),
     ]
@@ -104,7 +113,7 @@ def _settings(comparison: Comparison) -> list[tuple[str, str]]:
 
 def _table_rows(comparison: Comparison, scheme: str) -> list[list[tuple[str, bool]]]:
     """`scheme`'s table as text: per cell, (text, is best) for the observer,
-    the observers run and each of `COLUMNS`."""
+    the observers run and each of `columns(comparison.task)`."""
     best = best_cells(comparison, scheme)
     notes = footnotes(comparison, scheme)
     rows = []
@@ -112,13 +121,17 @@ def _table_rows(comparison: Comparison, scheme: str) -> list[list[tuple[str, boo
         label = cell.observer + note_marks(cell, notes)
         row = [(label, False), (observers_run(cell), False)]
         row += [
-            (column.text(cell), cell.observer in best[column.key]) for column in COLUMNS
+            (column.text(cell), cell.observer in best[column.key])
+            for column in columns(comparison.task)
         ]
         rows.append(row)
     return rows
 
 
-_HEADINGS = ["observer", "weights / inputs", *(column.title for column in COLUMNS)]
+def _headings(comparison: Comparison) -> list[str]:
+    shown = columns(comparison.task)
+    return ["observer", "weights / inputs", *(column.title for column in shown)]
+
 
 # ---------------------------------------------------------------- HTML
 
@@ -146,7 +159,7 @@ def _e(text: str) -> str:
 def _html_table(comparison: Comparison, scheme: str) -> list[str]:
     lines = [
         "<table>",
-        "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in _HEADINGS) + "</tr>",
+        "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in _headings(comparison)) + "</tr>",
     ]
     for row in _table_rows(comparison, scheme):
         cells = [f"<td>{_e(row[0][0])}</td>", f'<td class="dim">{_e(row[1][0])}</td>']
@@ -218,7 +231,7 @@ def _html(comparison: Comparison, figures: list[_Figure]) -> str:
         for figure in figures:
             lines += _html_figure(figure)
     lines += ["<h2>Metrics</h2>", "<dl>"]
-    for title, definition in METRIC_DEFINITIONS.items():
+    for title, definition in metric_definitions(comparison.task).items():
         lines += [f"<dt>{_e(title)}</dt>", f"<dd>{_e(definition)}</dd>"]
     lines += ["</dl>", "<h2>Skipped</h2>"]
     if comparison.skipped:
@@ -246,8 +259,8 @@ def _md(text: str) -> str:
 
 def _md_table(comparison: Comparison, scheme: str) -> list[str]:
     lines = [
-        "| " + " | ".join(_md(h) for h in _HEADINGS) + " |",
-        "| --- | --- |" + " ---: |" * len(COLUMNS),
+        "| " + " | ".join(_md(h) for h in _headings(comparison)) + " |",
+        "| --- | --- |" + " ---: |" * len(columns(comparison.task)),
     ]
     for row in _table_rows(comparison, scheme):
         texts = [_md(row[0][0]), _md(row[1][0])]
@@ -294,7 +307,8 @@ def _markdown(comparison: Comparison, figures: list[_Figure]) -> str:
             lines += [f"![{_md(figure.caption)}]({figure.path.name})", ""]
             lines += [f"*{_md(figure.caption)}*", ""]
     lines += ["## Metrics", ""]
-    lines += [f"- **{_md(t)}**: {_md(d)}" for t, d in METRIC_DEFINITIONS.items()]
+    definitions = metric_definitions(comparison.task).items()
+    lines += [f"- **{_md(t)}**: {_md(d)}" for t, d in definitions]
     lines += ["", "## Skipped", ""]
     lines += [
         f"- {_md(row.scheme)} / {_md(row.observer)}: {_md(row.reason)}"

@@ -302,8 +302,15 @@ def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     x_hat_64 = x_hat.to(torch.float64)
     _check_finite("x", x_64)
     _check_finite("x_hat", x_hat_64)
+    error = x_64 - x_hat_64
+    # Both divided by their largest magnitude first: the squares then
+    # underflow alike at every scale, so the ratio is scale-invariant (an
+    # error below 1e-154 of the peak is exact, +inf, whatever the units).
+    peak = float(torch.maximum(x_64.abs().max(), error.abs().max()))
+    if peak > 0:
+        x_64, error = x_64 / peak, error / peak
     signal = float(x_64.square().sum())
-    noise = float((x_64 - x_hat_64).square().sum())
+    noise = float(error.square().sum())
     return sqnr_db_from_energies(signal, noise)
 
 

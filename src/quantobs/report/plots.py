@@ -9,8 +9,10 @@ function                 what it shows
 `plot_layer_sqnr`        per-layer weight SQNR of each observer, one row
                          of subplots per scheme; input SQNR beside it
                          where a scheme quantizes inputs
-`plot_quality_vs_time`   cos mean against calibration seconds, one marker
-                         per scheme, each point labelled with its observer
+`plot_quality_vs_time`   the task's main metric (cos mean; next-token KL
+                         for a causal LM) against calibration seconds, one
+                         marker per scheme, each point labelled with its
+                         observer
 `plot_worst_layer`       the worst layer's held-out input histogram (log
                          counts) and each observer's range as two lines
 =======================  ==================================================
@@ -37,6 +39,7 @@ from matplotlib.lines import Line2D
 
 from quantobs.report.render import scheme_order
 from quantobs.report.results import Cell, Comparison
+from quantobs.report.tasks import main_metric
 
 __all__ = [
     "DPI",
@@ -257,7 +260,9 @@ def plot_layer_sqnr(
 def plot_quality_vs_time(
     comparison: Comparison, path: str | os.PathLike[str]
 ) -> Path | None:
-    """Cos mean against calibration seconds, one point per cell.
+    """The task's main metric (`quantobs.report.tasks.main_metric`: cos
+    mean, or next-token KL for a causal LM) against calibration seconds, one
+    point per cell.
 
     One colour and marker per scheme, each point labelled with its
     observer; the x axis is logarithmic when the times span more than a
@@ -270,10 +275,16 @@ def plot_quality_vs_time(
     Returns:
         `path`, or None when no cell has finite values to plot.
     """
+    metric = main_metric(comparison.task)
+
+    def quality(cell: Cell) -> float:
+        value = getattr(cell, metric.key)
+        return math.nan if value is None else float(value)
+
     points = [
         cell
         for cell in comparison.cells
-        if math.isfinite(cell.cosine_mean) and math.isfinite(cell.calibration_seconds)
+        if math.isfinite(quality(cell)) and math.isfinite(cell.calibration_seconds)
     ]
     if not points:
         return None
@@ -286,7 +297,7 @@ def plot_quality_vs_time(
             continue
         ax.scatter(
             [cell.calibration_seconds for cell in cells],
-            [cell.cosine_mean for cell in cells],
+            [quality(cell) for cell in cells],
             color=palette(index % palette.N),
             marker=_MARKERS[index % len(_MARKERS)],
             s=36,
@@ -296,7 +307,7 @@ def plot_quality_vs_time(
         for order, cell in enumerate(cells):
             ax.annotate(
                 _plain(cell.observer),
-                (cell.calibration_seconds, cell.cosine_mean),
+                (cell.calibration_seconds, quality(cell)),
                 xytext=(5, 3 if order % 2 == 0 else -9),  # alternate: less overlap
                 textcoords="offset points",
                 fontsize=7,
@@ -305,7 +316,8 @@ def plot_quality_vs_time(
     if min(seconds) > 0 and max(seconds) > 20 * min(seconds):
         ax.set_xscale("log")
     ax.set_xlabel("calibration seconds")
-    ax.set_ylabel("cos mean (held-out)")
+    direction = "lower is better" if metric.lower_is_better else "higher is better"
+    ax.set_ylabel(f"{metric.title} (held-out; {direction})")
     ax.set_title("Quality against calibration time", loc="left")
     ax.grid(True, alpha=0.3)
     ax.legend(title="scheme", fontsize=8)

@@ -16,10 +16,21 @@ input SQNR dB   `mean_input_sqnr`            0.0, "—"    highest
 calib s         `calibration_seconds`        0.00        lowest
 ==============  ===========================  ==========  =========
 
+For a causal LM (`Comparison.task == "causal_lm"`) the four embedding
+columns are replaced by the causal ones (`quantobs.report.tasks`):
+
+==============  ===========================  ==========  =========
+KL nats         `kl_divergence`              0.0000      lowest
+top-1 token     `token_agreement`            0.000       highest
+perplexity      `perplexity`                 0.00        lowest
+==============  ===========================  ==========  =========
+
 A value that is None ("—": the metric does not apply) or NaN takes no part in
 the best; equal best values are all marked. The verdict recommends, per
-scheme, the observer of highest cos mean unless it beats the baseline
-(`BASELINE_OBSERVER`, the cheapest) by less than `VERDICT_THRESHOLD`.
+scheme, the observer best in the task's main metric (highest cos mean;
+lowest next-token KL for a causal LM) unless it beats the baseline
+(`BASELINE_OBSERVER`, the cheapest) by less than the task's threshold
+(`VERDICT_THRESHOLDS`: 0.001 in cos mean, 0.001 nats of KL).
 """
 
 from __future__ import annotations
@@ -35,20 +46,33 @@ from rich.table import Table
 from rich.text import Text
 
 from quantobs.report.results import QUALITY_METRICS, Cell, Comparison
+from quantobs.report.tasks import (
+    CAUSAL_LM,
+    EMBEDDING,
+    Metric,
+    main_metric,
+    quality_metrics,
+)
 
 __all__ = [
     "BASELINE_OBSERVER",
     "BEST_MARK",
+    "CAUSAL_METRIC_DEFINITIONS",
     "COLUMNS",
     "CSV_COLUMNS",
     "METRIC_DEFINITIONS",
     "VERDICT_THRESHOLD",
+    "VERDICT_THRESHOLDS",
     "Column",
     "best_cells",
+    "columns",
+    "csv_columns",
     "footnotes",
     "format_number",
+    "metric_definitions",
     "note_marks",
     "observers_run",
+    "reference_line",
     "render_table",
     "scheme_order",
     "to_csv",
@@ -63,6 +87,11 @@ BASELINE_OBSERVER = "minmax"
 #: difference of cosines) does not pay for a slower observer: the verdict
 #: then keeps the baseline.
 VERDICT_THRESHOLD = 0.001
+
+#: The same per task: a gain in its main metric (cos mean; for a causal LM
+#: the drop of the next-token KL divergence, in nats) below this keeps the
+#: baseline.
+VERDICT_THRESHOLDS = {EMBEDDING: VERDICT_THRESHOLD, CAUSAL_LM: 0.001}
 
 #: The mark after a best value, so that it survives plain text.
 BEST_MARK = "*"
@@ -94,15 +123,23 @@ class Column:
         return format_number(self.value(cell), self.decimals)
 
 
-_DECIMALS = {"cosine_mean": 4, "cosine_worst": 4, "neighbours": 2, "spearman": 4}
+def _column(metric: Metric) -> Column:
+    return Column(metric.key, metric.title, metric.decimals, metric.lower_is_better)
 
-#: The table's numeric columns, in order.
-COLUMNS: tuple[Column, ...] = (
-    *(Column(key, title, _DECIMALS[key]) for key, title in QUALITY_METRICS),
-    Column("mean_weight_sqnr", "weight SQNR dB", 1),
-    Column("mean_input_sqnr", "input SQNR dB", 1),
-    Column("calibration_seconds", "calib s", 2, lower_is_better=True),
-)
+
+def columns(task: str) -> tuple[Column, ...]:
+    """The table's numeric columns for a model of `task`, in order: its
+    quality metrics, then the SQNRs and the calibration time."""
+    return (
+        *(_column(metric) for metric in quality_metrics(task)),
+        Column("mean_weight_sqnr", "weight SQNR dB", 1),
+        Column("mean_input_sqnr", "input SQNR dB", 1),
+        Column("calibration_seconds", "calib s", 2, lower_is_better=True),
+    )
+
+
+#: The table's numeric columns for an embedding model, in order.
+COLUMNS: tuple[Column, ...] = columns(EMBEDDING)
 
 #: Column title -> what it measures (the report's definitions, the CLI's help).
 METRIC_DEFINITIONS: dict[str, str] = {
@@ -144,19 +181,57 @@ METRIC_DEFINITIONS: dict[str, str] = {
     ),
 }
 
-#: The CSV's columns: one row per cell.
-CSV_COLUMNS: tuple[str, ...] = (
-    "scheme",
-    "observer",
-    "weight_observer",
-    "input_observer",
-    *(key for key, _ in QUALITY_METRICS),
-    "mean_weight_sqnr",
-    "mean_input_sqnr",
-    "calibration_seconds",
-    "evaluation_seconds",
-    "notes",
-)
+#: Column title -> what it measures, for causal LMs' quality columns (the
+#: SQNR and time columns are defined in `METRIC_DEFINITIONS`).
+CAUSAL_METRIC_DEFINITIONS: dict[str, str] = {
+    "KL nats": (
+        "Mean, over the held-out positions whose next token is real (padding "
+        "excluded), of the KL divergence of the quantized model's next-token "
+        "distribution from the unquantized model's, sum p log(p / q) in nats; "
+        "0 means the same predictions; lower is better."
+    ),
+    "top-1 token": (
+        "Fraction of those positions where the quantized model's most likely "
+        "next token is the unquantized model's."
+    ),
+    "perplexity": (
+        "The quantized model's perplexity on the held-out texts, exp of the "
+        "mean negative log-likelihood of each next token; lower is better. "
+        "The unquantized model's is printed beside the tables."
+    ),
+}
+
+
+def metric_definitions(task: str) -> dict[str, str]:
+    """Column title -> definition for the columns of `task`'s table."""
+    if task != CAUSAL_LM:
+        return dict(METRIC_DEFINITIONS)
+    kept = {
+        title: text
+        for title, text in METRIC_DEFINITIONS.items()
+        if title not in dict(QUALITY_METRICS).values()
+    }
+    return {**CAUSAL_METRIC_DEFINITIONS, **kept}
+
+
+def csv_columns(task: str) -> tuple[str, ...]:
+    """The CSV's columns for a model of `task`: one row per cell."""
+    return (
+        "scheme",
+        "observer",
+        "weight_observer",
+        "input_observer",
+        *(metric.key for metric in quality_metrics(task)),
+        "mean_weight_sqnr",
+        "mean_input_sqnr",
+        "calibration_seconds",
+        "evaluation_seconds",
+        "notes",
+    )
+
+
+#: The CSV's columns for an embedding model: one row per cell.
+CSV_COLUMNS: tuple[str, ...] = csv_columns(EMBEDDING)
 
 
 def format_number(value: float | None, decimals: int) -> str:
@@ -222,14 +297,16 @@ def best_cells(comparison: Comparison, scheme: str) -> dict[str, set[str]]:
         scheme: the scheme's name.
 
     Returns:
-        `{column key: observers}` for every column of `COLUMNS` (the four
-        `QUALITY_METRICS` attributes, `"mean_weight_sqnr"`,
-        `"mean_input_sqnr"`: highest; `"calibration_seconds"`: lowest).
-        Equal best values are all included; a column with no value (no
-        cell, or all None) maps to the empty set.
+        `{column key: observers}` for every column of `columns(task)` (an
+        embedding model's four `QUALITY_METRICS` attributes,
+        `"mean_weight_sqnr"`, `"mean_input_sqnr"`: highest;
+        `"calibration_seconds"`: lowest; a causal LM's `kl_divergence` and
+        `perplexity`: lowest, `token_agreement`: highest). Equal best values
+        are all included; a column with no value (no cell, or all None) maps
+        to the empty set.
     """
     cells = comparison.cells_of(scheme)
-    return {column.key: _best_of(cells, column) for column in COLUMNS}
+    return {column.key: _best_of(cells, column) for column in columns(comparison.task)}
 
 
 def _skipped_summary(comparison: Comparison, scheme: str) -> str:
@@ -242,9 +319,11 @@ def _skipped_summary(comparison: Comparison, scheme: str) -> str:
     return "; ".join(f"{row.observer}: {row.reason}" for row in rows)
 
 
-def _gain_text(gain: float) -> str:
-    """A positive cos-mean gain to 4 decimals, never a misleading "+0.0000"."""
-    return f"+{gain:.4f}" if gain >= 0.00005 else "+<0.0001"
+def _gain_text(gain: float, metric: Metric) -> str:
+    """A positive gain in `metric` to 4 decimals, signed as the metric moves
+    (+ for cos mean, - for KL), never a misleading "+0.0000"."""
+    sign = "-" if metric.lower_is_better else "+"
+    return f"{sign}{gain:.4f}" if gain >= 0.00005 else f"{sign}<0.0001"
 
 
 def _time_difference(seconds: float) -> str:
@@ -254,13 +333,56 @@ def _time_difference(seconds: float) -> str:
     return f"{abs(seconds):.1f} s {more_or_less} calibration"
 
 
+#: the metric a verdict quotes beside the main one (one per task)
+_ALSO = ("neighbours", "token_agreement")
+
+#: how a verdict names a metric (default: its column title)
+_SAID = {
+    "neighbours": "top-1 agreement",
+    "kl_divergence": "KL",
+    "token_agreement": "top-1 token agreement",
+}
+
+
+def _said(metric: Metric) -> str:
+    return _SAID.get(metric.key, metric.title)
+
+
+def _main_text(metric: Metric, value: float | None) -> str:
+    text = format_number(value, metric.decimals)
+    return f"{text} nats" if metric.key == "kl_divergence" else text
+
+
+def _gain(cell: Cell, baseline: Cell, metric: Metric) -> float:
+    """How much better `cell` is than `baseline` in `metric` (NaN: unknown)."""
+    value, base = getattr(cell, metric.key), getattr(baseline, metric.key)
+    if value is None or base is None:
+        return math.nan
+    return float(base - value) if metric.lower_is_better else float(value - base)
+
+
+def _best_main(cells: list[Cell], metric: Metric) -> Cell:
+    """The cell best in `metric` (the first in row order on a tie; None and
+    NaN last)."""
+
+    def badness(cell: Cell) -> float:
+        value = getattr(cell, metric.key)
+        if value is None or math.isnan(value):
+            return math.inf
+        return float(value) if metric.lower_is_better else -float(value)
+
+    return min(cells, key=badness)
+
+
 def verdict(comparison: Comparison, scheme: str) -> str:
     """One line recommending an observer for `scheme`.
 
-    The best observer is the one of highest cos mean (the first in row
-    order on a tie). The baseline is the `BASELINE_OBSERVER` row when it
-    ran, else the first row. If the best beats the baseline's cos mean by
-    less than `VERDICT_THRESHOLD`, the baseline (the cheaper) is kept.
+    The best observer is the one best in the task's main metric
+    (`quantobs.report.tasks.main_metric`: highest cos mean for an embedding
+    model, lowest next-token KL for a causal LM; the first in row order on a
+    tie). The baseline is the `BASELINE_OBSERVER` row when it ran, else the
+    first row. If the best beats the baseline by less than the task's
+    `VERDICT_THRESHOLDS`, the baseline (the cheaper) is kept.
 
     Args:
         comparison: the results.
@@ -275,31 +397,40 @@ def verdict(comparison: Comparison, scheme: str) -> str:
     cells = comparison.cells_of(scheme)
     if not cells:
         return f"{scheme}: no observer ran — {_skipped_summary(comparison, scheme)}."
+    metric = main_metric(comparison.task)
+    second = next(m for m in quality_metrics(comparison.task) if m.key in _ALSO)
     if len(cells) == 1:
         (only,) = cells
         return (
-            f"{scheme}: only {only.observer} ran — cos mean "
-            f"{only.cosine_mean:.4f}, top-1 agreement {only.neighbours:.2f}; "
+            f"{scheme}: only {only.observer} ran — {_said(metric)} "
+            f"{_main_text(metric, getattr(only, metric.key))}, {_said(second)} "
+            f"{format_number(getattr(only, second.key), second.decimals)}; "
             "nothing to compare it with."
         )
+    threshold = VERDICT_THRESHOLDS[comparison.task]
     baseline = next(
         (cell for cell in cells if cell.observer == BASELINE_OBSERVER), cells[0]
     )
-    best = max(cells, key=lambda cell: cell.cosine_mean)
-    gain = best.cosine_mean - baseline.cosine_mean
-    if best is baseline or gain < VERDICT_THRESHOLD:
+    best = _best_main(cells, metric)
+    gain = _gain(best, baseline, metric)
+    if best is baseline or not gain >= threshold:
+        unit = " nats" if metric.key == "kl_divergence" else ""
         line = (
             f"{scheme}: keep {baseline.observer} — no observer beats it by more "
-            f"than {VERDICT_THRESHOLD:g} in cos mean"
+            f"than {threshold:g}{unit} in {_said(metric)}"
         )
         if best is not baseline and gain > 0:
-            line += f" (best: {best.observer}, {_gain_text(gain)})"
+            line += f" (best: {best.observer}, {_gain_text(gain, metric)})"
         return line + "."
+    seconds = best.calibration_seconds - baseline.calibration_seconds
     return (
-        f"{scheme}: use {best.observer} — cos mean {best.cosine_mean:.4f} vs "
-        f"{baseline.cosine_mean:.4f} for {baseline.observer} ({_gain_text(gain)}), "
-        f"top-1 agreement {best.neighbours:.2f} vs {baseline.neighbours:.2f}, "
-        f"{_time_difference(best.calibration_seconds - baseline.calibration_seconds)}."
+        f"{scheme}: use {best.observer} — {_said(metric)} "
+        f"{_main_text(metric, getattr(best, metric.key))} vs "
+        f"{_main_text(metric, getattr(baseline, metric.key))} for "
+        f"{baseline.observer} ({_gain_text(gain, metric)}), {_said(second)} "
+        f"{format_number(getattr(best, second.key), second.decimals)} vs "
+        f"{format_number(getattr(baseline, second.key), second.decimals)}, "
+        f"{_time_difference(seconds)}."
     )
 
 
@@ -309,11 +440,12 @@ def _scheme_table(comparison: Comparison, scheme: str) -> Table:
     table = Table(title=scheme, title_justify="left", caption_justify="left")
     table.add_column("observer", no_wrap=True)
     table.add_column("weights / inputs", style="dim", no_wrap=True)
-    for column in COLUMNS:
+    shown = columns(comparison.task)
+    for column in shown:
         table.add_column(column.title, justify="right", no_wrap=True)
     for cell in comparison.cells_of(scheme):
         numbers = []
-        for column in COLUMNS:
+        for column in shown:
             if cell.observer in best[column.key]:
                 numbers.append(Text(column.text(cell) + BEST_MARK, "bold green"))
             else:
@@ -353,6 +485,19 @@ def render_table(comparison: Comparison, console: Console) -> None:
                 )
     if comparison.cells:
         console.print(Text(f"{BEST_MARK} best in its column", style="dim"))
+    if (context := reference_line(comparison)) is not None:
+        console.print(Text(context, style="dim"))
+
+
+def reference_line(comparison: Comparison) -> str | None:
+    """The unquantized causal LM's held-out perplexity, for context (None
+    for other models)."""
+    if comparison.reference_perplexity is None:
+        return None
+    return (
+        "unquantized model: held-out perplexity "
+        f"{format_number(comparison.reference_perplexity, 2)}"
+    )
 
 
 def to_json(comparison: Comparison) -> str:
@@ -373,11 +518,13 @@ def _csv_field(value: str | float | tuple[str, ...] | None) -> str:
 
 
 def to_csv(comparison: Comparison) -> str:
-    """One CSV row per cell (`CSV_COLUMNS`); an empty field for None,
-    floats written so that they read back exactly."""
+    """One CSV row per cell (`csv_columns(comparison.task)`: `CSV_COLUMNS`
+    for an embedding model); an empty field for None, floats written so that
+    they read back exactly."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    keys = csv_columns(comparison.task)
+    writer.writerow(keys)
     for cell in comparison.cells:
-        writer.writerow(_csv_field(getattr(cell, key)) for key in CSV_COLUMNS)
+        writer.writerow(_csv_field(getattr(cell, key)) for key in keys)
     return buffer.getvalue()

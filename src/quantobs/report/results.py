@@ -4,7 +4,10 @@ A `Comparison` holds one `Cell` per (scheme, observer) that was calibrated
 and evaluated, the rows that were not run with the reason (`Skipped`), and
 for the plots the activation histogram of the worst layer with each
 observer's chosen range (`LayerHistogram`). Every number is a Python float
-or int; `Comparison.to_dict()` is what `--format json` prints.
+or int; `Comparison.to_dict()` is what `--format json` prints. The
+quality metrics of a cell are those of the model's task
+(`quantobs.report.tasks`): the embedding ones (cos mean, ...) or the causal
+LM ones (next-token KL, ...); the other task's are None.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantobs.report.tasks import EMBEDDING, EMBEDDING_METRICS
+
 __all__ = [
     "QUALITY_METRICS",
     "Cell",
@@ -22,14 +27,10 @@ __all__ = [
     "Skipped",
 ]
 
-#: The end-to-end metrics of a cell, higher is better, in table order:
-#: (attribute, column title).
-QUALITY_METRICS = (
-    ("cosine_mean", "cos mean"),
-    ("cosine_worst", "cos worst"),
-    ("neighbours", "top-1 agree"),
-    ("spearman", "spearman"),
-)
+#: The end-to-end metrics of an embedding model's cell, higher is better, in
+#: table order: (attribute, column title). Every task's metrics, with their
+#: direction: `quantobs.report.tasks.quality_metrics`.
+QUALITY_METRICS = tuple((metric.key, metric.title) for metric in EMBEDDING_METRICS)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Cell:
         input_observer: the observer of the static input activations, or
             None when the scheme quantizes no input statically.
         cosine_mean: mean cosine similarity of the held-out sentence
-            embeddings to the unquantized model's.
+            embeddings to the unquantized model's (None for a causal LM).
         cosine_worst: the smallest of those cosines.
         neighbours: fraction of held-out sentences whose nearest other
             sentence is the unquantized model's.
@@ -57,22 +58,31 @@ class Cell:
         evaluation_seconds: the held-out forward passes and metrics.
         notes: the warnings the observers gave while calibrating (e.g.
             `quantobs.ObjectiveFitWarning`), each message once.
+        kl_divergence: causal LMs: the mean next-token KL divergence of the
+            quantized model from the unquantized one, in nats (lower is
+            better); None for other models.
+        token_agreement: causal LMs: the fraction of held-out positions
+            whose most likely next token is the unquantized model's.
+        perplexity: causal LMs: the quantized model's held-out perplexity.
     """
 
     scheme: str
     observer: str
     weight_observer: str
     input_observer: str | None
-    cosine_mean: float
-    cosine_worst: float
-    neighbours: float
-    spearman: float
+    cosine_mean: float | None
+    cosine_worst: float | None
+    neighbours: float | None
+    spearman: float | None
     weight_sqnr: dict[str, float]
     input_sqnr: dict[str, float]
     input_ranges: dict[str, tuple[float, float]]
     calibration_seconds: float
     evaluation_seconds: float
     notes: tuple[str, ...] = ()
+    kl_divergence: float | None = None
+    token_agreement: float | None = None
+    perplexity: float | None = None
 
     @property
     def mean_weight_sqnr(self) -> float | None:
@@ -131,6 +141,10 @@ class Comparison:
         histogram: the worst layer's histogram, when a scheme has static
             per-tensor inputs.
         seconds: the whole comparison's wall time.
+        task: the model's task, which names the quality metrics
+            (`quantobs.report.tasks`: "embedding" or "causal_lm").
+        reference_perplexity: causal LMs: the unquantized model's held-out
+            perplexity, for context; None for other models.
     """
 
     model: str
@@ -142,6 +156,8 @@ class Comparison:
     skipped: list[Skipped] = field(default_factory=list)
     histogram: LayerHistogram | None = None
     seconds: float = 0.0
+    task: str = EMBEDDING
+    reference_perplexity: float | None = None
 
     def cells_of(self, scheme: str) -> list[Cell]:
         """The cells of `scheme`, in observer order."""
