@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["as_linear", "is_transposed", "linear_weight", "transposed_layers"]
+__all__ = [
+    "as_linear",
+    "is_transposed",
+    "linear_targets",
+    "linear_weight",
+    "transposed_layers",
+]
 
 
 def is_transposed(module: torch.nn.Module) -> bool:
@@ -48,6 +54,12 @@ def linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
 def transposed_layers(model: torch.nn.Module) -> list[str]:
     """Names of the model's `Conv1D` layers."""
     return [n for n, m in model.named_modules() if is_transposed(m)]
+
+
+def linear_targets(model: torch.nn.Module) -> list[str]:
+    """The targets reaching every linear layer of `model`: `["Linear"]`, and
+    `"Conv1D"` too where the model keeps its layers transposed (GPT-2)."""
+    return ["Linear", "Conv1D"] if transposed_layers(model) else ["Linear"]
 
 
 def as_linear(module: torch.nn.Module) -> torch.nn.Linear:

@@ -30,6 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +256,7 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     _check_out(out)
     _check_format(options, scheme)
     model, tokenizer = load_model(directory)
+    _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
     ignore = default_ignore(model) if options.ignore is None else options.ignore
@@ -317,7 +321,8 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     try:
         if options.save_state is not None:
             save_state(model, options.save_state)
-        path = save_compressed(model, out, source_dir=directory)
+        with _experts_warnings():
+            path = save_compressed(model, out, source_dir=directory)
     except (OSError, ValueError) as error:
         raise UsageError(str(error)) from None
     print(report)
@@ -325,6 +330,41 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
+
+
+def _refuse_transposed(model: Any, directory: Path) -> None:
+    """No checkpoint of a model whose linear layers are transformers'
+    `Conv1D` (GPT-2) can be written: no loader reads them quantized."""
+    from quantobs.calibration.transposed import transposed_layers
+
+    layers = transposed_layers(model)
+    if layers:
+        raise UsageError(
+            f"{directory}: {type(model).__name__} keeps its {len(layers)} linear "
+            f"layers as transformers Conv1D (weight stored transposed, e.g. "
+            f"{layers[0]!r}), which no compressed-tensors loader reads quantized, "
+            "so no checkpoint can be written; score schemes on it with "
+            "`quantobs compare`, or calibrate it through the Python API "
+            "(targets 'Conv1D')"
+        )
+
+
+@contextmanager
+def _experts_warnings() -> Iterator[None]:
+    """Print what transformers cannot reload of MoE experts as one
+    `quantobs: warning:` line each (the checkpoint is still written)."""
+    from quantobs.calibration.experts import ExpertsReloadWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExpertsReloadWarning)
+        yield
+    for found in caught:
+        if issubclass(found.category, ExpertsReloadWarning):
+            print(f"quantobs: warning: {found.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(
+                found.message, found.category, found.filename, found.lineno
+            )
 
 
 def run_calibrate(options: argparse.Namespace) -> int:

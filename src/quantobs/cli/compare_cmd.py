@@ -210,11 +210,16 @@ def _check_schemes(
     take, a recipe that quantizes nothing, a kv-cache scheme no attention
     takes are reported before the long work."""
     from quantobs.calibration import Recipe, attach, detach
+    from quantobs.calibration.transposed import linear_targets
 
     kv = kv_cache_args(kv_cache)
+    targets = linear_targets(model)  # GPT-2's Conv1D layers too
     for scheme in schemes:
         try:
-            attach(model, Recipe.from_scheme(scheme, ignore=ignore, kv_cache_scheme=kv))
+            recipe = Recipe.from_scheme(
+                scheme, targets=targets, ignore=ignore, kv_cache_scheme=kv
+            )
+            attach(model, recipe)
         except (KeyError, ValueError, TypeError) as error:
             message = error.args[0] if isinstance(error, KeyError) else error
             raise UsageError(

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration import Recipe, attach, calibrate, text_batches
+from quantobs.calibration.transposed import linear_targets
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import preset_scheme
 from quantobs.observers.base import Observer
@@ -283,6 +284,7 @@ def _run_cell(
     start = time.perf_counter()
     recipe = Recipe.from_scheme(
         job.scheme,
+        targets=linear_targets(model),  # GPT-2's Conv1D layers too
         ignore=list(ignore),
         weight_observer=job.resolved.weight_spec,
         input_observer=job.resolved.input,
