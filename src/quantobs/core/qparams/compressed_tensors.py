@@ -42,6 +42,7 @@ import torch
 
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.formats import NumberFormat, get_format
 from quantobs.core.qparams.pow2 import (
     E8M0_BIAS,
@@ -101,25 +102,40 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 def range_or_zero(
     min_vals: torch.Tensor, max_vals: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`.
+
+    Elementwise, without reading anything on the host (other ranges keep
+    their bits)."""
     empty = min_vals > max_vals
-    if not bool(empty.any()):
-        return min_vals, max_vals
-    zero = torch.zeros_like(min_vals)
+    zero = torch.zeros((), dtype=min_vals.dtype, device=min_vals.device)
     return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
 
 
-def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+def _check_range(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, checks: Checks | None = None
+) -> None:
+    """Raise on non-finite ranges or `min > max`; with `checks`, the two
+    data checks are added to it (raised on its one read) instead."""
     _check_range_types(min_vals, max_vals)
-    if not all_finite(min_vals, max_vals):
-        bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
-        raise ValueError(
-            f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
-            "max_vals; drop non-finite inputs before observing (e.g. an "
-            "observer with nan_policy='omit')"
-        )
-    if (min_vals > max_vals).any():
-        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
+    checks.add(bad, _nonfinite_range_error)
+    checks.add((min_vals > max_vals).any(), _reversed_range_error)
+    if own:
+        checks.raise_first()
+
+
+def _nonfinite_range_error(bad: float) -> ValueError:
+    return ValueError(
+        f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
+        "max_vals; drop non-finite inputs before observing (e.g. an "
+        "observer with nan_policy='omit')"
+    )
+
+
+def _reversed_range_error(_: float) -> ValueError:
+    return ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
 
 
 def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
@@ -169,6 +185,7 @@ def calculate_qparams(
     *,
     pow2: Pow2Rounding | None = None,
     empty_as_zero: bool = False,
+    checks: Checks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from a range, per quantization parameter.
 
@@ -191,6 +208,9 @@ def calculate_qparams(
             no rounding).
         empty_as_zero: treat a range with `min > max` (an observer's qparam
             that saw no value: `(+inf, -inf)`) as `(0, 0)` instead of raising.
+        checks: where the checks of the data go (`quantobs.core.checks`):
+            the caller raises them. Without it they are read at the end,
+            all at once (one host-device synchronisation).
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -204,19 +224,23 @@ def calculate_qparams(
             global scale that is not one finite positive number.
     """
     _check_range_types(min_vals, max_vals)
+    own = checks is None
+    checks = Checks() if checks is None else checks
     if global_scale is not None:
-        check_global_scale(global_scale)
+        _check_global_scale(global_scale, checks)
     if args.symmetric and not args.is_mx and pow2 is None:
-        gscale = None if global_scale is None else float(global_scale.float())
         scale = _symmetric_scales(
-            min_vals, max_vals, args.format, args.scale_dtype, gscale, empty_as_zero
-        )
+            min_vals, max_vals, args.format, args.scale_dtype, global_scale,
+            empty_as_zero, checks,
+        )  # fmt: skip
         if _may_be_subnormal(args.scale_dtype, scale.dtype):
             scale = _floor_positive(scale)
+        if own:
+            checks.raise_first()
         return _with_zero_point(scale, None, args)
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    _check_range(min_vals, max_vals)
+    _check_range(min_vals, max_vals, checks)
     out_dtype = min_vals.dtype
     work = _work_dtype(out_dtype)
     fmt = args.format
@@ -235,10 +259,9 @@ def calculate_qparams(
         max_vals = torch.clamp(max_vals.to(work), min=0.0)
         scale = (max_vals - min_vals) / (qmax - qmin)
         wide = ~torch.isfinite(scale)  # max - min overflowed
-        if wide.any():
-            scale = torch.where(
-                wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
-            )
+        scale = torch.where(
+            wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
+        )
         if pow2 is None:  # powers of two are exact, subnormal or not
             scale = _floor_subnormal(scale, out_dtype)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -249,7 +272,9 @@ def calculate_qparams(
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
     scale_dtype = None if args.is_mx else args.scale_dtype
     global_work = None if global_scale is None else global_scale.to(work)
-    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype)
+    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype, checks)
+    if own:
+        checks.raise_first()
     return _with_zero_point(scale, zero_point, args)
 
 
@@ -268,16 +293,12 @@ def _floor_subnormal(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (module docstring); zeros (replaced later) and normal scales unchanged."""
     tiny = torch.finfo(dtype).tiny
     small = (scale > 0) & (scale < tiny)
-    return torch.where(small, tiny, scale) if bool(small.any()) else scale
+    return torch.where(small, tiny, scale)
 
 
 def _floor_positive(scale: torch.Tensor) -> torch.Tensor:
-    """`_floor_subnormal` of finished scales (all positive): one reduction
-    where none is subnormal."""
-    tiny = torch.finfo(scale.dtype).tiny
-    if not scale.numel() or not bool(scale.amin() < tiny):
-        return scale
-    return scale.clamp(min=tiny)
+    """`_floor_subnormal` of finished scales (all positive): a clamp."""
+    return scale.clamp(min=torch.finfo(scale.dtype).tiny)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -297,21 +318,26 @@ def _finish_scale(
     global_scale: torch.Tensor | float | None,
     scale_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    checks: Checks,
 ) -> torch.Tensor:
     """Times the global scale, rounded to `scale_dtype`, in `out_dtype`, zeros
     replaced by the dtype's smallest step (compressed-tensors' eps)."""
     if global_scale is not None:
         scale = global_scale * scale
-        if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
-            raise ValueError(
-                "global_scale * scale overflowed; the global scale is too large "
-                "for this range (compute it with generate_gparam)"
-            )
+        # scale >= 0: its amax is finite where every scale is
+        checks.add(~torch.isfinite(scale.amax()), _global_overflow_error)
     if scale_dtype is not None:
         scale = _round_to_dtype(scale, scale_dtype)
     scale = scale.to(out_dtype)
     eps = _zero_scale_replacement(scale_dtype or out_dtype)
     return scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
+
+
+def _global_overflow_error(_: float) -> ValueError:
+    return ValueError(
+        "global_scale * scale overflowed; the global scale is too large "
+        "for this range (compute it with generate_gparam)"
+    )
 
 
 @kernel
@@ -320,18 +346,22 @@ def _symmetric_scales(
     max_vals: torch.Tensor,
     fmt: NumberFormat,
     scale_dtype: torch.dtype | None,
-    global_scale: float | None,
+    global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    checks: Checks,
 ) -> torch.Tensor:
     """Symmetric (non-MX) scales: `max(-min, max, 0) / ((qmax - qmin) / 2)`,
-    times the global scale, rounded to `scale_dtype`, zeros -> eps."""
+    times the global scale (its float32 value), rounded to `scale_dtype`,
+    zeros -> eps."""
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    _check_range(min_vals, max_vals)
+    _check_range(min_vals, max_vals, checks)
     work = _work_dtype(min_vals.dtype)
     scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
-    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
-    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype)
+    gscale = None
+    if global_scale is not None:
+        gscale = global_scale.float().to(work).reshape(())
+    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
 
 
 def _symmetric_scales_native(
@@ -339,11 +369,13 @@ def _symmetric_scales_native(
     max_vals: torch.Tensor,
     fmt: NumberFormat,
     scale_dtype: torch.dtype | None,
-    global_scale: float | None,
+    global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    checks: Checks,
 ) -> torch.Tensor | None:
     """The float32 arithmetic in one pass (NVFP4's 1M group scales); declines
-    (None) for other dtypes, and where the torch path must raise."""
+    (None) for other dtypes, and where the torch path must raise (CPU only:
+    reading the global scale costs no device synchronisation there)."""
     scale_dtype = scale_dtype or torch.float32
     if min_vals.dtype != torch.float32 or scale_dtype not in (
         torch.float32,
@@ -354,7 +386,7 @@ def _symmetric_scales_native(
         min_vals,
         max_vals,
         (fmt.max - fmt.min) / 2,
-        global_scale,
+        None if global_scale is None else float(global_scale.float()),
         scale_dtype == torch.float8_e4m3fn,
         _zero_scale_replacement(scale_dtype),
         empty_as_zero,
@@ -413,6 +445,15 @@ class CompressedTensorsRule:
 
 def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
     """Validate a global scale: one finite, positive number."""
+    checks = Checks()
+    _check_global_scale(global_scale, checks)
+    checks.raise_first()
+    return global_scale
+
+
+def _check_global_scale(global_scale: torch.Tensor, checks: Checks) -> None:
+    """`check_global_scale`: its type and shape at once, its value added to
+    `checks`."""
     if not isinstance(global_scale, torch.Tensor):
         raise TypeError(
             f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}"
@@ -422,12 +463,12 @@ def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
             f"global_scale must hold one value (shape (1,)), got shape "
             f"{tuple(global_scale.shape)}"
         )
-    value = global_scale.detach().float()
-    if not (torch.isfinite(value).all() and (value > 0).all()):
-        raise ValueError(
-            f"global_scale must be finite and positive, got {value.item()}"
-        )
-    return global_scale
+    value = global_scale.detach().float().reshape(())
+    checks.add(~(torch.isfinite(value) & (value > 0)), _global_scale_error, value)
+
+
+def _global_scale_error(_: float, value: float) -> ValueError:
+    return ValueError(f"global_scale must be finite and positive, got {value}")
 
 
 def amax_to_global_scale(
@@ -435,6 +476,8 @@ def amax_to_global_scale(
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    checks: Checks | None = None,
 ) -> torch.Tensor:
     """NVFP4 global scale `scale_max * quant_max / amax` (448 * 6 / amax).
 
@@ -447,6 +490,8 @@ def amax_to_global_scale(
         scale_format: format of the local (group) scales.
         quant_format: format of the quantized values.
         dtype: dtype of the result.
+        checks: where the finiteness check of `amax` goes (the caller
+            raises it, `quantobs.core.checks`); without it, it is read here.
 
     Returns:
         `(1,)` global scale in `dtype`.
@@ -457,11 +502,11 @@ def amax_to_global_scale(
     quant_fmt = (
         get_format(quant_format) if isinstance(quant_format, str) else quant_format
     )
-    if not torch.isfinite(amax).all():
-        raise ValueError(
-            "amax is not finite (NaN or inf); drop non-finite inputs before "
-            "computing a global scale"
-        )
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    checks.add(~torch.isfinite(amax).all(), _nonfinite_amax_error)
+    if own:
+        checks.raise_first()
     amax = amax.to(torch.float32).abs().clamp(min=torch.finfo(torch.float32).tiny)
     global_scale = (scale_fmt.max * quant_fmt.max) / amax
     global_scale = torch.where(
@@ -470,12 +515,21 @@ def amax_to_global_scale(
     return global_scale.to(dtype).reshape(1)
 
 
+def _nonfinite_amax_error(_: float) -> ValueError:
+    return ValueError(
+        "amax is not finite (NaN or inf); drop non-finite inputs before "
+        "computing a global scale"
+    )
+
+
 def generate_gparam(
     min_vals: torch.Tensor,
     max_vals: torch.Tensor,
     scale_format: str | NumberFormat = "float8_e4m3fn",
     quant_format: str | NumberFormat = "float4_e2m1fn",
     dtype: torch.dtype = torch.float32,
+    *,
+    checks: Checks | None = None,
 ) -> torch.Tensor:
     """Global scale from a tensor's range (compressed-tensors' `generate_gparam`).
 
@@ -485,18 +539,25 @@ def generate_gparam(
         scale_format: format of the local scales (FP8 e4m3 for NVFP4).
         quant_format: format of the values (FP4 e2m1 for NVFP4).
         dtype: dtype of the result.
+        checks: where the checks of the range go (the caller raises them,
+            `quantobs.core.checks`); without it, they are read here at once.
 
     Returns:
         `(1,)` global scale, see `amax_to_global_scale`.
     """
-    _check_range(min_vals, max_vals)
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    _check_range(min_vals, max_vals, checks)
     amax = torch.maximum(
         torch.clamp(min_vals.float(), max=0.0).abs(),
         torch.clamp(max_vals.float(), min=0.0),
     )
     if amax.numel() != 1:
         amax = amax.max()
-    return amax_to_global_scale(amax, scale_format, quant_format, dtype)
+    found = amax_to_global_scale(amax, scale_format, quant_format, dtype, checks=checks)
+    if own:
+        checks.raise_first()
+    return found
 
 
 def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
