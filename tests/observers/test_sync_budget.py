@@ -49,13 +49,6 @@ PENDING: dict[str, tuple[int, int]] = {
     "percentile": (8, 1),
 }
 
-# With an importance, the imatrix observers check it on the host (usable or
-# fall back to uniform MSE with a warning) in each update; issue 24 continues.
-PENDING_WITH_IMPORTANCE: dict[str, tuple[int, int]] = {
-    "imatrix_mse": (4, 2),
-    "nvfp4_expanded_imatrix": (4, 2),
-}
-
 NAMES = sorted(Observer.registry.names())
 UPDATES = 3
 
@@ -89,20 +82,15 @@ def _counts(
     return updates, syncs.count
 
 
-def _check(
-    name: str,
-    updates: list[int],
-    qparams: int,
-    pending: dict[str, tuple[int, int]] = PENDING,
-) -> None:
-    if name not in pending:
+def _check(name: str, updates: list[int], qparams: int) -> None:
+    if name not in PENDING:
         assert updates == [0] * len(updates), f"{name}: syncs per update {updates}"
         assert qparams <= QPARAMS_BUDGET, f"{name}: {qparams} syncs for qparams"
         return
-    most_update, most_qparams = pending[name]
+    most_update, most_qparams = PENDING[name]
     assert max(updates) <= most_update and qparams <= most_qparams, (
         f"{name} makes more syncs than before: {updates} per update, {qparams} "
-        f"for qparams (the pending table allows {pending[name]})"
+        f"for qparams (PENDING allows {PENDING[name]})"
     )
 
 
@@ -117,10 +105,14 @@ def test_sync_budget(name: str, face: str) -> None:
     _check(name, updates, qparams)
 
 
+@pytest.mark.parametrize("kind", ["usable", "negative"])
 @pytest.mark.parametrize("name", ["imatrix_mse", "nvfp4_expanded_imatrix"])
-def test_sync_budget_with_importance(name: str) -> None:
+def test_sync_budget_with_importance(name: str, kind: str) -> None:
+    # an unusable importance (uniform MSE then) is found on the device too
     base_name, kwargs, shape = FACES["int4-group128"]
     importance = torch.rand(shape[1], generator=torch.Generator().manual_seed(1))
+    if kind == "negative":
+        importance[3] = -1.0
 
     def make() -> Observer:
         observer = Observer.get_class(name)(base_name, QuantizationArgs(**kwargs))
@@ -128,7 +120,7 @@ def test_sync_budget_with_importance(name: str) -> None:
         return observer
 
     updates, qparams = _counts(make, _batches(base_name, shape))
-    _check(name, updates, qparams, PENDING_WITH_IMPORTANCE)
+    _check(name, updates, qparams)
 
 
 def test_pending_entries_are_still_needed() -> None:

@@ -174,17 +174,33 @@ class ObserverEngine(torch.nn.Module):
         self._pending = torch.stack([pending[0] + step[0], first, pending[2] + step[2]])
 
     def _settle(self) -> None:
-        """Read the pending findings (one host read; none when nothing is
-        pending) into the settled values."""
-        if self._pending is None:
+        """Read the pending findings, the engine's and a subclass's
+        (`_extra_pending`), in one host read (none when nothing is pending)
+        into the settled values."""
+        extra = self._extra_pending()
+        if self._pending is None and extra is None:
             return
-        nonfinite, beyond, kept = self._pending.tolist()
+        own = self._pending
+        if own is None:
+            own = torch.zeros(3, dtype=torch.float64, device=extra.device)  # type: ignore[union-attr]
+        parts = [own] if extra is None else [own, extra.to(own.device, own.dtype)]
+        nonfinite, beyond, kept, *rest = torch.cat(parts).tolist()
         self._pending = None
+        if extra is not None:
+            self._settle_extra(rest)
         self._nonfinite += int(nonfinite)
         if self._beyond == 0.0:
             self._beyond = beyond
         if self._kept is not None:
             self._kept += int(kept)
+
+    def _extra_pending(self) -> torch.Tensor | None:
+        """Hook: a subclass's own deferred findings, a 1-D tensor read with
+        the engine's (`_settle_extra` gets its values)."""
+        return None
+
+    def _settle_extra(self, values: list[float]) -> None:
+        """Hook: take the values of `_extra_pending`'s tensor (then clear it)."""
 
     def _observed_any(self) -> bool:
         """Whether a batch was kept since the statistic began (settles)."""
