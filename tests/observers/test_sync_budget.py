@@ -31,6 +31,11 @@ FACES: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
         {"num_bits": 4, "strategy": "group", "group_size": 128},
         (64, 256),
     ),
+    "int4-group128-asym": (
+        "weight",
+        {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False},
+        (64, 256),
+    ),
     "int8-channel": ("weight", {"num_bits": 8, "strategy": "channel"}, (64, 256)),
     "fp8-tensor": ("weight", {"num_bits": 8, "type": "float"}, (64, 256)),
     "nvfp4": ("weight", NVFP4, (64, 256)),
@@ -121,6 +126,56 @@ def test_sync_budget_with_importance(name: str, kind: str) -> None:
 
     updates, qparams = _counts(make, _batches(base_name, shape))
     _check(name, updates, qparams)
+
+
+# (id, observer, face, options): the opt-in searches and the NaN policies
+OPTIONS: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("refine", "memoryless_mse", "int4-group128", {"search": "refine"}),
+    ("fine", "mse", "int4-group128", {"search": "fine"}),
+    (
+        "independent",
+        "memoryless_mse",
+        "int4-group128-asym",
+        {"independent_bounds": True},
+    ),
+    ("round-scales", "memoryless_mse", "nvfp4", {"round_scales": True}),
+    ("static-round-scales", "static_mse", "nvfp4", {"round_scales": True}),
+    ("no-patience", "memoryless_mse", "int8-channel", {"patience": None}),
+    ("omit-minmax", "minmax", "int8-input", {"nan_policy": "omit"}),
+    ("omit-mse", "mse", "int4-group128", {"nan_policy": "omit"}),
+    ("omit-static-mse", "static_mse", "int8-channel", {"nan_policy": "omit"}),
+    ("propagate", "static_minmax", "nvfp4", {"nan_policy": "propagate"}),
+]
+# Issue 24 continues: the discrete search sizes its candidate list on the
+# host (the most e4m3 / e8m0 scales between a qparam's ends).
+PENDING_OPTIONS: dict[str, tuple[int, int]] = {
+    "discrete-nvfp4": (4, 2),
+    "discrete-mxfp4": (1, 2),
+}
+OPTIONS += [
+    ("discrete-nvfp4", "memoryless_mse", "nvfp4", {"scale_search": "discrete"}),
+    ("discrete-mxfp4", "memoryless_mse", "mxfp4", {"scale_search": "discrete"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "name", "face", "options"), OPTIONS, ids=[o[0] for o in OPTIONS]
+)
+def test_sync_budget_of_options(
+    case: str, name: str, face: str, options: dict[str, Any]
+) -> None:
+    base_name, kwargs, shape = FACES[face]
+    cls = Observer.get_class(name)
+    args = QuantizationArgs(**kwargs)
+    updates, qparams = _counts(
+        lambda: cls(base_name, args, **options), _batches(base_name, shape)
+    )
+    if case not in PENDING_OPTIONS:
+        _check(name, updates, qparams)
+        return
+    most = PENDING_OPTIONS[case]
+    assert max(updates) <= most[0] and qparams <= most[1], (updates, qparams)
+    assert max(updates) > 0, f"{case} meets the budget now: remove its entry"
 
 
 def test_pending_entries_are_still_needed() -> None:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, search_args, shrink_factors
 from quantobs.solvers.mse_ties import LlmCompressorErrors, first_best, patience_stop
@@ -115,7 +116,8 @@ def grid_search(
     scoring = search_args(args, round_scales)
     global_scale = None
     if round_scales and args.strategy == "tensor_group":
-        global_scale = generate_gparam(min_vals.min(), max_vals.max())
+        # the data's checks are its observer's: not read here (no host wait)
+        global_scale = generate_gparam(min_vals.min(), max_vals.max(), checks=Checks())
     n, g = x_flat.shape[0], x_flat.shape[-1]
     x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
     best = best_shrink(

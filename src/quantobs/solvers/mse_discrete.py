@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.formats import get_format
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.qparams.pow2 import E8M0_MAX_EXP, E8M0_MIN_EXP, pow2_exponent
@@ -176,7 +177,8 @@ def discrete_scale_search(
     amax = torch.maximum(-mins, maxs).clamp(min=0.0)  # (Q,)
     global_scale = None
     if args.strategy == "tensor_group":
-        global_scale = generate_gparam(min_vals.min(), max_vals.max())
+        # the data's checks are its observer's: not read here (no host wait)
+        global_scale = generate_gparam(min_vals.min(), max_vals.max(), checks=Checks())
     stored = stored_scale_candidates(amax, args, maxshrink, global_scale)  # (K, Q)
     effective = stored if global_scale is None else stored / global_scale
     n, g = x_flat.shape[0], x_flat.shape[-1]
