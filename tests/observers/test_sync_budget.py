@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from quantobs import Observer, QuantizationArgs, native
+from quantobs import Observer, QuantizationArgs, native, quark, torch_ao
 from quantobs.core.syncs import SyncCounter
 from tests.format_args import MXFP4, NVFP4
 
@@ -224,3 +224,79 @@ def test_omit_costs_no_sync_and_skips_batches_without_finite_values() -> None:
         observer.get_qparams(), clean.get_qparams(), strict=True
     ):
         assert torch.equal(ours, reference)
+
+
+# ----------------------------------------------------------------- faces
+
+
+def _quark(name: str, **extra: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        spec = {
+            "dtype": quark.Dtype.int8,
+            "qscheme": quark.QSchemeType.per_tensor,
+            "is_dynamic": False,
+            "symmetric": True,
+            "round_method": quark.RoundType.half_even,
+            "scale_type": quark.ScaleType.float,
+            **extra,
+        }
+        return getattr(quark, name)(quark.QTensorConfig(observer_cls=name, **spec))
+
+    return make
+
+
+def _torch_ao(name: str) -> Callable[[], Any]:
+    return lambda: getattr(torch_ao, name)()
+
+
+# Issue 24 continues with the faces: they check the NaN policy in each batch
+# (their peers' errors at once) and torch.ao's rule reads its ranges on the
+# host. id -> (constructor, qparams, most syncs of one update, of qparams).
+PENDING_FACES: dict[str, tuple[Callable[[], Any], str, int, int]] = {
+    "torch_ao-MinMax": (_torch_ao("MinMaxObserver"), "calculate_qparams", 4, 5),
+    "torch_ao-MovingAverage": (
+        _torch_ao("MovingAverageMinMaxObserver"),
+        "calculate_qparams",
+        6,
+        5,
+    ),
+    "torch_ao-PerChannel": (
+        _torch_ao("PerChannelMinMaxObserver"),
+        "calculate_qparams",
+        2,
+        4,
+    ),
+    "quark-PerTensorMinMax": (
+        _quark("PerTensorMinMaxObserver"),
+        "_calculate_qparams",
+        3,
+        5,
+    ),
+    "quark-PerChannelMinMax": (
+        _quark(
+            "PerChannelMinMaxObserver",
+            qscheme=quark.QSchemeType.per_channel,
+            ch_axis=0,
+        ),
+        "_calculate_qparams",
+        3,
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("face", PENDING_FACES)
+def test_faces_make_no_more_syncs(face: str) -> None:
+    make, qparams_name, most_update, most_qparams = PENDING_FACES[face]
+    observer = make()
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    updates = []
+    for i in range(UPDATES):
+        with SyncCounter() as syncs:
+            observer(x * (1 + i))
+        updates.append(syncs.count)
+    with SyncCounter() as syncs:
+        getattr(observer, qparams_name)()
+    assert max(updates) <= most_update and syncs.count <= most_qparams, (
+        f"{face}: {updates} per update, {syncs.count} for qparams"
+    )
