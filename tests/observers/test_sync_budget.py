@@ -146,12 +146,6 @@ OPTIONS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("omit-static-mse", "static_mse", "int8-channel", {"nan_policy": "omit"}),
     ("propagate", "static_minmax", "nvfp4", {"nan_policy": "propagate"}),
 ]
-# Issue 24 continues: the discrete search sizes its candidate list on the
-# host (the most e4m3 / e8m0 scales between a qparam's ends).
-PENDING_OPTIONS: dict[str, tuple[int, int]] = {
-    "discrete-nvfp4": (4, 2),
-    "discrete-mxfp4": (1, 2),
-}
 OPTIONS += [
     ("discrete-nvfp4", "memoryless_mse", "nvfp4", {"scale_search": "discrete"}),
     ("discrete-mxfp4", "memoryless_mse", "mxfp4", {"scale_search": "discrete"}),
@@ -170,12 +164,7 @@ def test_sync_budget_of_options(
     updates, qparams = _counts(
         lambda: cls(base_name, args, **options), _batches(base_name, shape)
     )
-    if case not in PENDING_OPTIONS:
-        _check(name, updates, qparams)
-        return
-    most = PENDING_OPTIONS[case]
-    assert max(updates) <= most[0] and qparams <= most[1], (updates, qparams)
-    assert max(updates) > 0, f"{case} meets the budget now: remove its entry"
+    _check(name, updates, qparams)
 
 
 def test_pending_entries_are_still_needed() -> None:
