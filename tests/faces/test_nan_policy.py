@@ -106,11 +106,13 @@ def test_every_face_takes_the_three_policies(face: tuple[Any, ...]) -> None:
 
 @pytest.mark.parametrize("face", FACES, ids=IDS)
 def test_default_raises_on_nan(face: tuple[Any, ...]) -> None:
-    _, make, observe, _ = face
+    _, make, observe, qparams = face
     x = torch.randn(4, 32)
     x[0, 0] = float("nan")
+    observer = make()
     with pytest.raises(ValueError, match=r"non-finite|NaN"):
-        observe(make(), x)
+        observe(observer, x)  # the faces raise here, as their peers do
+        qparams(observer)  # quantobs' own observers here: no host read in update
 
 
 @pytest.mark.parametrize("face", FACES, ids=IDS)

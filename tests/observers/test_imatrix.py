@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,13 +24,14 @@ from quantobs import (
     fake_quantize,
     preset_scheme,
 )
+from quantobs.core.syncs import SyncCounter
 from quantobs.observers import (
     IMatrixMSEObserver,
     ImportanceGatherer,
     ImportanceObserver,
     NVFP4ExpandedMSEObserver,
 )
-from quantobs.solvers.imatrix import imatrix_factors, imatrix_search
+from quantobs.solvers.imatrix import best_index, imatrix_factors, imatrix_search
 from quantobs.stats.importance import Importance
 
 IMATRIX = ("imatrix_mse", "nvfp4_expanded_imatrix")
@@ -337,7 +339,8 @@ def test_unusable_importance(
     else:
         strict = _with_importance(importance, strict=True)
     with pytest.raises(error, match=rf"observer 'imatrix_mse': .*{match}.*strict"):
-        strict.update(weight)
+        strict.update(weight)  # what the host knows raises here
+        strict.get_qparams()  # what the data says, here (issue 24)
     # Default: a warning (once per observer and cause), then uniform MSE.
     caplog.set_level(logging.WARNING, logger="quantobs")
     lenient = _imatrix("imatrix_mse", ARGS["int4-group"])
@@ -345,6 +348,7 @@ def test_unusable_importance(
         lenient.set_importance(importance)
     lenient.update(weight)
     lenient.update(weight)
+    lenient.get_qparams()  # the data's causes are read (and warned) here
     warned = [r for r in caplog.records if match.split(";")[0] in r.getMessage()]
     assert len(warned) == 1 and "falling back to uniform MSE" in warned[0].getMessage()
     uniform = _ours("imatrix_mse", ARGS["int4-group"])
@@ -369,6 +373,9 @@ def test_strict_unsupported(
         NotImplementedError, match=f"'imatrix_mse': .*{match}.*strict=True"
     ):
         observer.update(torch.randn(shape))
+        # checked after the importance's data (llm-compressor's order), so
+        # read with it when qparams are computed (issue 24)
+        observer.get_qparams()
 
 
 def test_bad_importance_inputs() -> None:
@@ -564,3 +571,36 @@ def test_scales_finite_and_positive(
     assert torch.isfinite(scale).all() and (scale > 0).all()
     qmin, qmax = calculate_range(args)
     assert ((zero_point.float() >= qmin) & (zero_point.float() <= qmax)).all()
+
+
+def _running_best(errors: torch.Tensor, patience: int) -> torch.Tensor:
+    # llm-compressor's loop, one candidate at a time (float32, from finfo.max)
+    best = torch.full_like(errors[0], torch.finfo(torch.float32).max)
+    index = torch.zeros(errors.shape[1], dtype=torch.int64)
+    stale = 0
+    for i, row in enumerate(errors.masked_fill(errors.isnan(), math.inf)):
+        improved = row < best
+        best = torch.minimum(best, row)
+        index[improved] = i
+        stale = 0 if bool(improved.any()) else stale + 1
+        if patience and stale >= patience:
+            break
+    return index
+
+
+@pytest.mark.parametrize("patience", [0, 1, 3, 5])
+@pytest.mark.parametrize("seed", range(6))
+def test_early_stop_decided_on_the_device_is_the_loops(
+    patience: int, seed: int
+) -> None:
+    # issue 24: every block scored, the stop decided without host reads
+    gen = torch.Generator().manual_seed(seed)
+    errors = torch.rand(19, 7, generator=gen).cumsum(0)
+    errors = errors * (torch.rand(19, 7, generator=gen) < 0.5)  # ties, zeros
+    errors[3, 2] = float("nan")
+    errors[0, 4] = float("inf")
+    errors[:, 5] = torch.finfo(torch.float32).max  # never improves
+    with SyncCounter() as syncs:
+        found = best_index(errors, patience)
+    assert syncs.count == 0
+    assert torch.equal(found, _running_best(errors, patience))

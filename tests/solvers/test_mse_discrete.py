@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from quantobs import QuantizationArgs, calculate_qparams, fake_quantize, generate_gparam
 from quantobs.core.layout import flatten_for_calibration
+from quantobs.core.qparams.pow2 import E8M0_MIN_EXP, pow2_exponent
+from quantobs.solvers import mse_discrete
 from quantobs.solvers.mse import mse_search
 from quantobs.solvers.mse_discrete import (
     discrete_scale_search,
@@ -116,17 +118,21 @@ def test_candidates_span_the_grid_and_one_neighbour() -> None:
     args = QuantizationArgs(**_MXFP4)
     amax = torch.tensor([6.0, 1.0, 0.0])  # fp4 emax 2
     stored = stored_scale_candidates(amax, args, 0.2)
+    # The list's length is known before the data (no host read, issue 24):
+    # 5 exponents at most for maxshrink 0.2; shorter lists repeat their last
+    # value.
+    assert stored.shape == (5, 3)
     # 6 -> exponent 2 (rounded mantissa 1.5) - 2 = 0; 4.8 -> 0: {1, 0, -1}
-    # (a shorter list repeats its last value)
-    assert stored[:, 0].tolist() == [2.0, 1.0, 0.5, 0.5]
+    assert stored[:, 0].tolist() == [2.0, 1.0, 0.5, 0.5, 0.5]
     # 1 -> 2**0 - 2; 0.8 -> mantissa 1.6: 2**-1 - 2; plus neighbours
-    assert stored[:, 1].tolist() == [0.5, 0.25, 0.125, 0.0625]
+    assert stored[:, 1].tolist() == [0.5, 0.25, 0.125, 0.0625, 0.0625]
     nvfp4 = QuantizationArgs(**_NVFP4)
     stored = stored_scale_candidates(torch.tensor([6.0]), nvfp4, 0.2)
     values = stored[:, 0].tolist()
     assert values == sorted(values, reverse=True)
     # 6 / 6 = 1.0 and 0.8 (stored as 0.8125), with the neighbours of both
-    assert values == [1.125, 1.0, 0.9375, 0.875, 0.8125, 0.75, 0.6875]
+    # (8 rows at most for maxshrink 0.2)
+    assert values == [1.125, 1.0, 0.9375, 0.875, 0.8125, 0.75, 0.6875, 0.6875]
 
 
 @pytest.mark.parametrize(
@@ -167,3 +173,23 @@ def test_scales_positive_finite_and_stored(
     scale, _ = calculate_qparams(low, high, args, _global(x_flat, args))
     assert torch.isfinite(scale).all() and (scale > 0).all()
     assert _representable(scale, args)
+
+
+@pytest.mark.parametrize("maxshrink", [0.01, 0.2, 0.5, 1 - 0.8 / 1.8, 0.9, 0.999])
+def test_candidate_count_known_before_the_data_suffices(maxshrink: float) -> None:
+    # issue 24: the lists' length is fixed on the host; every qparam's list
+    # still reaches its lowest candidate (then repeats it)
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.exp2(torch.rand(20000, generator=gen) * 300 - 150)
+    raw_hi, raw_lo = amax / 6.0, (amax * (1.0 - maxshrink)) / 6.0
+    whole = mse_discrete._E4M3_TABLE.numel()
+    full = mse_discrete._e4m3_candidates(raw_hi, raw_lo, whole)
+    short = mse_discrete._e4m3_candidates(
+        raw_hi, raw_lo, mse_discrete._e4m3_count(maxshrink)
+    )
+    assert torch.equal(short, full[: short.shape[0]])
+    assert torch.equal(short[-1], full[-1])  # the lowest candidate reached
+    mx = stored_scale_candidates(amax, QuantizationArgs(**_MXFP4), maxshrink)
+    positive = torch.where(amax > 0, amax, torch.ones_like(amax))
+    lowest = pow2_exponent(positive * (1.0 - maxshrink)) - 2 - 1  # fp4 emax 2
+    assert torch.equal(mx[-1], torch.exp2(lowest.clamp(min=E8M0_MIN_EXP)))

@@ -13,8 +13,14 @@ from quantobs import QuantizationArgs, native
 from quantobs.cli.default_model import default_model_path
 from quantobs.core.layout import flatten_for_calibration
 from quantobs.core.scoring import candidate_errors, shrink_factors
+from quantobs.core.syncs import SyncCounter
 from quantobs.solvers.mse import mse_search
-from quantobs.solvers.mse_ties import LlmCompressorErrors, patience_stop
+from quantobs.solvers.mse_ties import (
+    LlmCompressorErrors,
+    first_best,
+    patience_stop,
+    patience_stops,
+)
 
 _W4 = {"num_bits": 4, "group_size": 128, "strategy": "group"}
 _MX = {
@@ -65,6 +71,24 @@ def test_patience_stop_is_llm_compressors_loop(patience: int, seed: int) -> None
     errors = errors.cumsum(0) * (torch.rand(20, 6, generator=gen) < 0.5)  # ties
     assert patience_stop(errors, patience) == _reference_stop(errors, patience)
     assert patience_stop(errors, None) is None
+
+
+@pytest.mark.parametrize("patience", [None, 0, 1, 3, 5])
+@pytest.mark.parametrize("seed", range(5))
+def test_early_stop_decided_on_the_device_is_the_loops(
+    patience: int | None, seed: int
+) -> None:
+    # issue 24: the torch path scores every block, then stops as the loop did
+    gen = torch.Generator().manual_seed(seed)
+    errors = torch.rand(20, 6, generator=gen, dtype=torch.float64)
+    errors = errors.cumsum(0) * (torch.rand(20, 6, generator=gen) < 0.5)  # ties
+    stop = patience_stop(errors, patience) or errors.shape[0]
+    with SyncCounter() as syncs:
+        found = patience_stops(errors, patience)
+        best = first_best(errors, patience)
+    assert syncs.count == 0
+    assert int(found) == stop
+    assert torch.equal(best, torch.argmin(errors[:stop], dim=0))
 
 
 def test_minilm_near_tie_group_matches_llm_compressor(backend: str) -> None:

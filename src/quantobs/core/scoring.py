@@ -21,8 +21,9 @@ import torch
 
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.formats import NumberFormat
-from quantobs.core.qparams import all_finite, calculate_qparams
+from quantobs.core.qparams import calculate_qparams
 from quantobs.core.quantize import fake_quant_values
 from quantobs.native.dispatch import kernel
 
@@ -74,16 +75,16 @@ def candidate_qparams(
 
     Candidate ends past the dtype's finite range (a range scaled by an
     `expand` beyond float32's max: llm-compressor's become inf and its
-    scales inf or NaN) saturate to `+-max`; NaN ends still raise.
+    scales inf or NaN) saturate to `+-max`. Nothing is read on the host:
+    the rule's checks are not raised here (candidates shrink ranges of data
+    their observer checks itself; NaN data gives NaN candidates, reported
+    when its qparams are computed).
     """
-    try:
-        scale, zero_point = calculate_qparams(min_vals, max_vals, args, global_scale)
-    except ValueError:  # checked only here: no extra pass on ordinary ranges
-        if all_finite(min_vals, max_vals):
-            raise
-        top = torch.finfo(min_vals.dtype).max
-        min_vals, max_vals = min_vals.clamp(-top, top), max_vals.clamp(-top, top)
-        scale, zero_point = calculate_qparams(min_vals, max_vals, args, global_scale)
+    top = torch.finfo(min_vals.dtype).max  # finite ends keep their bits
+    min_vals, max_vals = min_vals.clamp(-top, top), max_vals.clamp(-top, top)
+    scale, zero_point = calculate_qparams(
+        min_vals, max_vals, args, global_scale, checks=Checks()
+    )  # the checks are dropped unread
     if global_scale is not None:
         scale = scale / global_scale
     return scale, None if args.symmetric else zero_point

@@ -210,12 +210,8 @@ class QuantobsObserver(LCObserver):
         Args:
             observed: `(num_observations, *qparam_shape, group_size)`.
         """
-        if observed.numel() == 0:
-            return
         with self._arithmetic():
-            kept = self.core._observe(observed)
-        if kept is not None:  # None: no finite value (nan_policy="omit")
-            self.core.num_observations += observed.shape[0]
+            self.core.observe_flat(observed)  # counts what it keeps
 
     # llm-compressor decorates `forward` and `get_qparams` with a bare
     # `@torch.no_grad`, which mypy types as a `no_grad` object rather than a

@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.layout import (
     check_supported,
     flatten_for_calibration,
@@ -93,6 +94,7 @@ class Observer(ObserverEngine, Registered):
     Options: ClassVar[type[ObserverOptions]] = ObserverOptions
     registry: ClassVar[Registry[Any]] = Registry("observer")
     name: ClassVar[str] = "observer"
+    defer_checks = True  # `update` reads nothing on the host (issue 24)
 
     def __init__(
         self,
@@ -118,8 +120,7 @@ class Observer(ObserverEngine, Registered):
         self.args = args
         self.options = options
         self._module = weakref.ref(module) if module is not None else None
-        self.num_observations = 0
-        self.num_observed_tokens: int | None = None
+        self._clear_counts()
         #: the widest floating dtype observed so far (None: nothing yet)
         self.observed_dtype: torch.dtype | None = None
 
@@ -207,14 +208,76 @@ class Observer(ObserverEngine, Registered):
             return None
         return self.observed_dtype
 
-    def _count(self, observed: torch.Tensor, num_observations: int) -> None:
-        self._note_dtype(observed.dtype)
-        self.num_observations += num_observations
+    # ---------------------------------------------------------------- counts
+
+    def _clear_counts(self) -> None:
+        # Counted on the host as batches come; batches that nan_policy="omit"
+        # skips (known on the device only) are subtracted when read.
+        self._observations = 0
+        self._tokens = 0
+        self._token_batches = 0  # 2-D batches counted: tokens are None without
+        self._skipped: torch.Tensor | None = None  # (3,) float64, as the above
+
+    def _settle_counts(self) -> None:
+        if self._skipped is None:
+            return
+        observations, tokens, token_batches = self._skipped.tolist()
+        self._skipped = None
+        self._observations -= int(observations)
+        self._tokens -= int(tokens)
+        self._token_batches -= int(token_batches)
+
+    @property
+    def num_observations(self) -> int:
+        """Observations (dim 0 of the canonical layout) folded in."""
+        self._settle_counts()
+        return self._observations
+
+    @num_observations.setter
+    def num_observations(self, value: int) -> None:
+        self._settle_counts()
+        self._observations = value
+
+    @property
+    def num_observed_tokens(self) -> int | None:
+        """Tokens of the 2-D batches folded in (None: no 2-D batch)."""
+        self._settle_counts()
+        return self._tokens if self._token_batches else None
+
+    @num_observed_tokens.setter
+    def num_observed_tokens(self, value: int | None) -> None:
+        self._settle_counts()
+        self._tokens = value or 0
+        self._token_batches = 0 if value is None else 1
+
+    def _count(self, observed: torch.Tensor | None, num_observations: int) -> None:
+        """Count a folded batch (`observed`: as given, None for one already
+        in the canonical layout); one the last fold may have skipped
+        (`_last_keep`) is subtracted on the device where it was."""
+        if observed is not None:
+            self._note_dtype(observed.dtype)
         # llm-compressor's rule: only 2-D inputs (tokens, features), as MoE
         # experts receive, are counted as tokens.
-        if observed.ndim == 2:
-            tokens = observed.shape[0]
-            self.num_observed_tokens = (self.num_observed_tokens or 0) + tokens
+        tokens = observed.shape[0] if observed is not None and observed.ndim == 2 else 0
+        token_batches = int(observed is not None and observed.ndim == 2)
+        self._observations += num_observations
+        self._tokens += tokens
+        self._token_batches += token_batches
+        keep = self._last_keep
+        if keep is None:
+            return
+        drop = (~keep).to(torch.float64)  # no host-to-device copy either
+        skipped = torch.stack(
+            [drop * num_observations, drop * tokens, drop * token_batches]
+        )
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped
+
+    def observe_flat(self, x_flat: torch.Tensor) -> None:
+        """Fold a batch already in the canonical layout `(N, *Q, G)` in and
+        count its observations (no tokens); an empty one is a no-op."""
+        if x_flat.numel() and self._observe(x_flat) is not None:
+            self._note_dtype(x_flat.dtype)
+            self._count(None, x_flat.shape[0])
 
     @torch.no_grad()
     def update(self, observed: torch.Tensor) -> None:
@@ -244,7 +307,9 @@ class Observer(ObserverEngine, Registered):
             n = num_observations_of(observed.shape, self.base_name, self.args)
             stat = self._current_for(tuple(low.shape), observed.device)
             batch = Batch(None, low, high, n)
-            kept = self._fold(stat, batch, lambda: self.flatten(observed))
+            kept = self._fold(
+                stat, batch, lambda: self.flatten(observed), observed.dtype
+            )
         else:
             x_flat = self.flatten(observed)
             kept = self._observe(x_flat)
@@ -253,8 +318,15 @@ class Observer(ObserverEngine, Registered):
             self._count(observed, n)
 
     def _require(self) -> Statistic:
+        """The statistic, after the checks `update` deferred (one host read
+        where any are pending).
+
+        Raises:
+            RuntimeError: nothing observed.
+            ValueError: what observing deferred (`_raise_deferred`).
+        """
         stat = self.statistic()
-        if stat is None:
+        if stat is None or not self._observed_any():
             skipped = (
                 " (under nan_policy='omit' a batch with no finite value is skipped)"
                 if self.nan_policy == "omit"
@@ -265,6 +337,7 @@ class Observer(ObserverEngine, Registered):
                 f"{skipped}; call update(x) or observer(x) with a non-empty tensor "
                 "of finite values first"
             )
+        self._raise_deferred()
         return stat
 
     def get_range(self) -> Range:
@@ -303,28 +376,32 @@ class Observer(ObserverEngine, Registered):
         `{base_name}_global_scale` when there is one, else `get_global_scale()`.
         """
         stat = self._require()
+        checks = Checks()  # the rule's checks, read at once at the end
         global_scale = None
         if self.args.strategy == "tensor_group":
             global_scale = self._module_param("global_scale")
             if global_scale is None:
+                amax = self._global_amax(stat)
                 global_scale = amax_to_global_scale(
-                    self._global_amax(stat), observed_dtype=self.arithmetic_dtype
+                    amax, observed_dtype=self.arithmetic_dtype, checks=checks
                 )
         min_vals, max_vals = self._selected_range(stat)
-        return calculate_qparams(
+        found = calculate_qparams(
             min_vals,
             max_vals,
             self.args,
             global_scale,
             empty_as_zero=True,
             observed_dtype=self.arithmetic_dtype,
+            checks=checks,
         )
+        checks.raise_first()
+        return found
 
     def reset(self) -> None:
         """Forget every statistic and count."""
         super().reset()
-        self.num_observations = 0
-        self.num_observed_tokens = None
+        self._clear_counts()
         self.observed_dtype = None
 
     def _check_merge(self, other: ObserverEngine) -> None:
@@ -393,9 +470,7 @@ class Observer(ObserverEngine, Registered):
         Returns:
             `(min_vals, max_vals)`, each `(*qparam_shape,)`.
         """
-        if observed.numel() and self._observe(observed) is not None:
-            self._note_dtype(observed.dtype)
-            self.num_observations += observed.shape[0]
+        self.observe_flat(observed)
         return self.get_range()
 
     @torch.no_grad()

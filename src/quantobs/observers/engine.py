@@ -14,6 +14,25 @@ owns what all of them share, once:
 * merging another observer's statistic (exact where the statistic is) and
   resetting.
 
+Deferred checks (`defer_checks`, quantobs' own observers): observing a batch
+reads nothing on the host, so on a GPU `update` never waits for the device
+(issue 24). The NaN policy's decisions become tensor operations and what
+would have raised is counted in tensors, read once when qparams are
+computed (`_raise_deferred`)::
+
+    policy     per batch (on the device)             at qparams time
+    raise      count qparams with a non-finite       ValueError naming the
+               value (NaN and inf reach the stat)    count (same fix)
+    omit       min/max and values without them;      "no statistics" when
+               a batch without any finite value      every batch was
+               leaves the statistic as it was        skipped
+               (`torch.where` over its fields)
+    propagate  nothing                               nothing
+    (float64)  finite values past float32's max      ValueError "beyond the
+                                                     float32 range"
+
+Faces raise at once, as their peers do (`defer_checks = False`).
+
 A subclass says which statistic it keeps (`statistic_type`,
 `statistic_config`), turns its inputs into the canonical layout, and turns
 the statistic into a range (its solver) and the range into qparams (its
@@ -36,12 +55,45 @@ from quantobs.stats.reduce import (
     NanPolicy,
     count_nonfinite,
     finite_range,
+    minmax,
     minmax_omit_nonfinite,
 )
 
 __all__ = ["ObserverEngine"]
 
 E = TypeVar("E", bound="ObserverEngine")
+S = TypeVar("S", bound=Statistic)
+
+
+def _float64_findings(x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(N, *Q, G)` float64 values -> the number of qparams holding a
+    non-finite value, and a finite value past float32's range (the largest
+    in magnitude; 0 where none), as 0-d tensors read later."""
+    low, high = minmax(x_flat, exact_dtype=True)  # (*Q,) float64
+    nonfinite = (~torch.isfinite(low) | ~torch.isfinite(high)).sum()
+    ends = torch.stack([low.reshape(-1), high.reshape(-1)])  # (2, Q)
+    top = torch.finfo(torch.float32).max
+    past = torch.isfinite(ends) & (ends.abs() > top)
+    ends = torch.where(past, ends, 0.0).reshape(-1)
+    return nonfinite, ends[ends.abs().argmax()]
+
+
+def _select(keep: torch.Tensor, new: S, old: S) -> S:
+    """`new` where `keep` (a 0-d bool tensor), else `old`, field by field
+    with `torch.where` (no host read); statistics whose fields changed
+    shape (a grown histogram) are chosen on the host."""
+    new_state, old_state = new.state(), old.state()
+    same = new_state.keys() == old_state.keys() and all(
+        value.shape == old_state[name].shape and value.dtype == old_state[name].dtype
+        for name, value in new_state.items()
+    )
+    if not same:
+        return new if bool(keep) else old
+    chosen = {
+        name: torch.where(keep.to(value.device), value, old_state[name])
+        for name, value in new_state.items()
+    }
+    return type(new).from_state(chosen, **new.config())
 
 
 def clone_statistic(stat: Statistic) -> Statistic:
@@ -71,6 +123,9 @@ class ObserverEngine(torch.nn.Module):
     #: Whether the observer reads a batch's values beyond what its statistic
     #: needs (e.g. a per-batch MSE search).
     needs_values: ClassVar[bool] = False
+    #: Whether the NaN policy's checks wait for qparams time (module
+    #: docstring): `update` then makes no host-device synchronisation.
+    defer_checks: ClassVar[bool] = False
 
     _device_marker: torch.Tensor
 
@@ -84,6 +139,82 @@ class ObserverEngine(torch.nn.Module):
         # Where statistics loaded into an observer without any go (moves
         # with `.to()`; not saved).
         self.register_buffer("_device_marker", torch.empty(0), persistent=False)
+        self._clear_deferred()
+
+    # ------------------------------------------------------- deferred checks
+
+    def _clear_deferred(self) -> None:
+        # settled (Python) values: qparams with non-finite values, a float64
+        # value past float32 (0: none), batches kept (None: not counted, the
+        # statistic's presence tells)
+        self._nonfinite = 0
+        self._beyond = 0.0
+        self._kept: int | None = None
+        # (3,) float64 increments of the same, on the device, not yet read
+        self._pending: torch.Tensor | None = None
+        # (): whether the last folded batch was kept (None: certainly)
+        self._last_keep: torch.Tensor | None = None
+
+    def _defer(
+        self,
+        nonfinite: torch.Tensor,
+        beyond: torch.Tensor,
+        keep: torch.Tensor | None,
+    ) -> None:
+        """Add one batch's deferred findings (0-d tensors) to `_pending`."""
+        if keep is not None and self._kept is None:
+            self._kept = 0
+        kept = torch.zeros_like(beyond) if keep is None else keep.to(beyond.dtype)
+        step = torch.stack([nonfinite.to(beyond.dtype), beyond, kept])
+        if self._pending is None:
+            self._pending = step
+            return
+        pending = self._pending.to(step.device)
+        first = torch.where(pending[1] != 0, pending[1], step[1])
+        self._pending = torch.stack([pending[0] + step[0], first, pending[2] + step[2]])
+
+    def _settle(self) -> None:
+        """Read the pending findings, the engine's and a subclass's
+        (`_extra_pending`), in one host read (none when nothing is pending)
+        into the settled values."""
+        extra = self._extra_pending()
+        if self._pending is None and extra is None:
+            return
+        own = self._pending
+        if own is None:
+            own = torch.zeros(3, dtype=torch.float64, device=extra.device)  # type: ignore[union-attr]
+        parts = [own] if extra is None else [own, extra.to(own.device, own.dtype)]
+        nonfinite, beyond, kept, *rest = torch.cat(parts).tolist()
+        self._pending = None
+        if extra is not None:
+            self._settle_extra(rest)
+        self._nonfinite += int(nonfinite)
+        if self._beyond == 0.0:
+            self._beyond = beyond
+        if self._kept is not None:
+            self._kept += int(kept)
+
+    def _extra_pending(self) -> torch.Tensor | None:
+        """Hook: a subclass's own deferred findings, a 1-D tensor read with
+        the engine's (`_settle_extra` gets its values)."""
+        return None
+
+    def _settle_extra(self, values: list[float]) -> None:
+        """Hook: take the values of `_extra_pending`'s tensor (then clear it)."""
+
+    def _observed_any(self) -> bool:
+        """Whether a batch was kept since the statistic began (settles)."""
+        self._settle()
+        return self._kept is None or self._kept > 0
+
+    def _raise_deferred(self) -> None:
+        """Raise what observing deferred (settles): non-finite values under
+        `nan_policy="raise"`, then float64 values past float32's range."""
+        self._settle()
+        if self._nonfinite:
+            raise self._deferred_nonfinite_error(self._nonfinite)
+        if self._beyond != 0.0:
+            raise self._beyond_error(self._beyond)
 
     # ------------------------------------------------------------ statistic
 
@@ -147,8 +278,9 @@ class ObserverEngine(torch.nn.Module):
 
     @property
     def has_statistics(self) -> bool:
-        """Whether anything has been observed since construction or reset."""
-        return self.statistic() is not None
+        """Whether anything has been observed since construction or reset
+        (reads the deferred checks' counts: a host read where any wait)."""
+        return self.statistic() is not None and self._observed_any()
 
     # --------------------------------------------------------------- observe
 
@@ -190,10 +322,14 @@ class ObserverEngine(torch.nn.Module):
         qshape = tuple(x_flat.shape[1:-1])
         stat = self._current_for(qshape, x_flat.device)
         batch = stat.scan(x_flat, exact_dtype=self.exact_dtype)
-        return self._fold(stat, batch, lambda: x_flat)
+        return self._fold(stat, batch, lambda: x_flat, x_flat.dtype)
 
     def _fold(
-        self, stat: Statistic, batch: Batch, values: Callable[[], torch.Tensor]
+        self,
+        stat: Statistic,
+        batch: Batch,
+        values: Callable[[], torch.Tensor],
+        dtype: torch.dtype | None = None,
     ) -> Statistic | None:
         """Apply the NaN policy to a scanned batch and update `stat` with it.
 
@@ -203,21 +339,65 @@ class ObserverEngine(torch.nn.Module):
             values: the batch in the canonical layout (called only when the
                 values are needed: a value-reading statistic, or non-finite
                 values to count or drop).
+            dtype: the batch's dtype (float64 batches are checked for values
+                past float32's range).
 
         Returns:
             The new statistic, or None: a batch without any finite value
             under `nan_policy="omit"` is skipped (nothing stored, see
-            `_apply_nan_policy`).
+            `_apply_nan_policy`). With `defer_checks` it is never None:
+            `_last_keep` then says whether the batch was kept.
         """
-        kept = self._apply_nan_policy(stat, batch, values)
-        if kept is None:
-            return None
-        batch = kept
+        self._last_keep = None
+        if self.defer_checks:
+            batch = self._deferred_nan_policy(stat, batch, values, dtype)
+        else:
+            kept = self._apply_nan_policy(stat, batch, values)
+            if kept is None:
+                return None
+            batch = kept
         if batch.x_flat is None and self._needs_values():
             batch = replace(batch, x_flat=values())
         new = stat.update(self._finite_prepared(batch))
+        if self._last_keep is not None:
+            new = _select(self._last_keep, new, stat)
         self._store(new)
         return new
+
+    def _deferred_nan_policy(
+        self,
+        stat: Statistic,
+        batch: Batch,
+        values: Callable[[], torch.Tensor],
+        dtype: torch.dtype | None,
+    ) -> Batch:
+        """`_apply_nan_policy` without reading anything on the host: what
+        would raise is counted (`_defer`) and raised at qparams time; under
+        `"omit"` the batch's values and range leave non-finite values out,
+        and `_last_keep` says whether it had any finite value (module
+        docstring)."""
+        if self.nan_policy == "propagate" or batch.absmax is not None:
+            if self._kept is not None:  # counting kept batches: this one is
+                self._kept += 1
+            return batch
+        low, high = batch.min_vals, batch.max_vals
+        nonfinite = (~torch.isfinite(low) | ~torch.isfinite(high)).sum()
+        beyond = torch.zeros((), dtype=torch.float64, device=low.device)
+        if dtype == torch.float64 and not self.exact_dtype:
+            nonfinite, beyond = _float64_findings(values())
+        keep = None
+        if self.nan_policy == "omit":
+            x_flat = values()
+            low, high = minmax_omit_nonfinite(x_flat, exact_dtype=self.exact_dtype)
+            keep = (low <= high).any()  # some finite value anywhere
+            kept, skipped = None, False
+            if self._needs_values():
+                kept, skipped = stat.omit_nonfinite(x_flat)
+            batch = Batch(kept, low, high, batch.num_observations, has_skipped=skipped)
+            nonfinite = torch.zeros_like(nonfinite)
+        self._defer(nonfinite, beyond, keep)
+        self._last_keep = keep
+        return batch
 
     def _finite_prepared(self, batch: Batch) -> Batch:
         """`_prepare_batch(batch)`, its range made finite where the batch's
@@ -287,11 +467,23 @@ class ObserverEngine(torch.nn.Module):
 
     def _float32_overflow_error(self, x_flat: torch.Tensor) -> Exception:
         beyond = x_flat[x_flat.abs() > torch.finfo(torch.float32).max]
+        return self._beyond_error(float(beyond[0]))
+
+    def _beyond_error(self, value: float) -> Exception:
         return ValueError(
-            f"{self._describe()} got the float64 value {float(beyond[0]):g}, "
+            f"{self._describe()} got the float64 value {value:g}, "
             f"beyond the float32 range (+-{torch.finfo(torch.float32).max:g}) "
             "of its statistics: the range is too wide to keep. Rescale the "
             "input (e.g. by a power of two) or clip it to float32's range"
+        )
+
+    def _deferred_nonfinite_error(self, count: int) -> Exception:
+        """The NaN policy's error when it was deferred to qparams time: the
+        values are gone by then, so it counts the qparams they reached."""
+        return ValueError(
+            f"{self._describe()} got non-finite value(s) (NaN or inf) in "
+            f"{count} qparam range(s) since its last reset (checked when qparams "
+            "are computed); fix the input or pass nan_policy='omit' to ignore them"
         )
 
     # ----------------------------------------------------------- merge, reset
@@ -317,8 +509,12 @@ class ObserverEngine(torch.nn.Module):
                 f"cannot merge {type(other).__name__} into {type(self).__name__}"
             )
         self._check_merge(other)
-        mine, theirs = self.statistic(), other.statistic()
+        mine = self.statistic() if self.has_statistics else None
+        theirs = other.statistic() if other.has_statistics else None
+        self._nonfinite += other._nonfinite
+        self._beyond = self._beyond or other._beyond
         if theirs is not None:
+            self._kept = None  # data from both: the statistic tells
             if mine is None:
                 self._store(clone_statistic(theirs))
             elif mine.qparam_shape != theirs.qparam_shape:
@@ -354,8 +550,9 @@ class ObserverEngine(torch.nn.Module):
         return None
 
     def reset(self) -> None:
-        """Forget every statistic."""
+        """Forget every statistic (and what observing deferred)."""
         self._store(self._initial_statistic())
+        self._clear_deferred()
 
     # ----------------------------------------------------------- state dicts
 
@@ -372,6 +569,7 @@ class ObserverEngine(torch.nn.Module):
         # Statistic buffers take the saved shapes and dtypes (per-channel
         # ranges, grown histograms, statistics of an observer that had
         # none); an observer saved without statistics loads as one.
+        self._clear_deferred()
         stype = self.statistic_type()
         if stype is not None:
             names = [self._buffer_name(f.name) for f in stype.fields]

@@ -114,6 +114,9 @@ class HistogramStatObserver(Observer):
     statistic_cls = Histogram
     Options: ClassVar[type[ObserverOptions]] = HistogramOptions
     options: HistogramOptions
+    # The NaN policy checks each batch at once: counting its values on its
+    # grid needs finite ones (issue 24 continues with the histograms).
+    defer_checks = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -75,6 +75,11 @@ _LOG = logging.getLogger("quantobs")
 _EXPAND = 1.8
 _MAXSHRINK = 1 - 0.8 / 1.8
 _WEIGHTED_STRATEGIES = ("channel", "group", "tensor_group")
+_NO_DATA = (
+    "no importance data available; attach(module) (or module=) and run "
+    "calibration data before observing the weight, or call "
+    "update_importance / set_importance"
+)
 
 
 class IMatrixMSEOptions(ObserverOptions):
@@ -185,63 +190,126 @@ class IMatrixMSEObserver(Observer):
         `(in_features,)` tensor (replaces what was gathered)."""
         self.importance.set(importance)
 
-    def _importance(self, x_flat: torch.Tensor) -> torch.Tensor:
-        """`(in_features,)` E[x ** 2] if it can weight the search of `x_flat`."""
+    def _gathered(self) -> Importance:
+        """The importance, where the host alone can tell it is there and may
+        weight this observer's search (else `_Unusable`)."""
         if self.base_name != "weight":
             raise _Unusable(
                 f"only weights have an input importance, not {self.base_name!r}",
                 NotImplementedError,
             )
-        strategy = self.args.strategy
-        if strategy == "tensor":
+        if self.args.strategy == "tensor":
             raise _Unusable(
                 "the 'tensor' strategy is not supported", NotImplementedError
             )
-        mean = self.importance.mean()
-        if mean is None:
-            raise _Unusable(
-                "no importance data available; attach(module) (or module=) and run "
-                "calibration data before observing the weight, or call "
-                "update_importance / set_importance",
-                ValueError,
-            )
-        if not bool(torch.isfinite(mean).all()):
-            raise _Unusable("the importance has non-finite values", ValueError)
-        if bool((mean < 0).any()):
-            raise _Unusable("the importance has negative values", ValueError)
-        if not bool(mean.any()):
-            raise _Unusable("the importance is all zeros", ValueError)
+        stat = self.importance.importance()
+        if stat is None:
+            raise _Unusable(_NO_DATA, ValueError)
+        return stat
+
+    def _late_problems(self, x_flat: torch.Tensor, num_k: int) -> list[_Unusable]:
+        """The host's checks llm-compressor makes after the data's: the
+        strategy, and the importance's size against the weight's columns."""
+        strategy = self.args.strategy
         if strategy not in _WEIGHTED_STRATEGIES:
-            raise _Unusable(
-                f"the {strategy!r} strategy is not supported", NotImplementedError
-            )
+            return [
+                _Unusable(
+                    f"the {strategy!r} strategy is not supported", NotImplementedError
+                )
+            ]
         # channel (1, rows, 1, cols), group (1, rows, groups, group_size)
         cols = x_flat.shape[-1] * (x_flat.shape[2] if strategy != "channel" else 1)
-        if mean.numel() != cols:
-            raise _Unusable(
-                f"the importance has {mean.numel()} input channels, the weight "
-                f"{cols} columns",
-                ValueError,
-            )
-        return mean
+        if num_k != cols:
+            return [
+                _Unusable(
+                    f"the importance has {num_k} input channels, the weight "
+                    f"{cols} columns",
+                    ValueError,
+                )
+            ]
+        return []
 
     def _weights(self, x_flat: torch.Tensor) -> torch.Tensor | None:
         """`(1, 1, *Q[1:], G)` normalized importance of each value (broadcasts
-        over rows), or None (uniform) after a warning, or the strict error."""
+        over rows), or None / uniform weights (1) when it cannot weight the
+        search. What the data decides (no tokens, non-finite, negative or
+        all-zero values) is decided on the device; its warning or strict
+        error waits for qparams time (`_raise_deferred`), as llm-compressor's
+        order of checks says."""
         try:
-            mean = self._importance(x_flat)
+            stat = self._gathered()
         except _Unusable as why:
-            message = f"observer {self.name!r}: {why.problem}"
-            if self.options.strict:
-                raise why.error(
-                    f"{message} (strict=True; strict=False falls back to uniform MSE)"
-                ) from None
-            if why.problem not in self._warned:
-                self._warned.add(why.problem)
-                _LOG.warning("%s; falling back to uniform MSE", message)
+            self._fall_back(why)
             return None
-        row = normalize_importance(mean.to(x_flat.device)).reshape(1, -1)
-        return self.flatten(row)  # as the weight's columns (g_idx included)
+        mean = stat.sum / stat.count.float()  # (K,); NaN without tokens
+        late = self._late_problems(x_flat, mean.numel())
+        device = mean.device
+        found = torch.stack(
+            [
+                stat.count == 0,
+                ~torch.isfinite(mean).all(),
+                (mean < 0).any(),
+                ~mean.any(),
+                torch.full((), bool(late), device=device),
+            ]
+        )  # (5,) llm-compressor's checks in order; the first that holds counts
+        first = found & (found.cumsum(0) == 1)
+        self._record_problems(first, late)
+        if late:
+            return None
+        weights = normalize_importance(mean.to(x_flat.device))
+        row = torch.where(found.any().to(weights.device), 1.0, weights)
+        return self.flatten(row.reshape(1, -1))  # the weight's columns (g_idx)
+
+    def _fall_back(self, why: _Unusable) -> None:
+        """The strict error, or one warning per cause (uniform MSE then)."""
+        message = f"observer {self.name!r}: {why.problem}"
+        if self.options.strict:
+            raise why.error(
+                f"{message} (strict=True; strict=False falls back to uniform MSE)"
+            ) from None
+        if why.problem not in self._warned:
+            self._warned.add(why.problem)
+            _LOG.warning("%s; falling back to uniform MSE", message)
+
+    # ------------------------------------------------ deferred problems
+
+    def _clear_deferred(self) -> None:
+        super()._clear_deferred()
+        self._problems: torch.Tensor | None = None  # (5,) counts, on the device
+        self._late: list[_Unusable] = []  # the last late problem (slot 4)
+        self._seen: list[_Unusable] = []  # problems read, in the checks' order
+
+    def _record_problems(self, first: torch.Tensor, late: list[_Unusable]) -> None:
+        if late:
+            self._late = late
+        counts = first.to(torch.float64)
+        self._problems = counts if self._problems is None else self._problems + counts
+
+    def _extra_pending(self) -> torch.Tensor | None:
+        return self._problems
+
+    def _settle_extra(self, values: list[float]) -> None:
+        self._problems = None
+        data = (
+            _NO_DATA,
+            "the importance has non-finite values",
+            "the importance has negative values",
+            "the importance is all zeros",
+        )
+        known = {why.problem for why in self._seen}
+        for slot, count in enumerate(values):
+            if not count:
+                continue
+            why = _Unusable(data[slot], ValueError) if slot < 4 else self._late[0]
+            if why.problem not in known:
+                self._seen.append(why)
+                known.add(why.problem)
+
+    def _raise_deferred(self) -> None:
+        super()._raise_deferred()
+        for why in self._seen:
+            self._fall_back(why)
 
     # -------------------------------------------------------------- search
 

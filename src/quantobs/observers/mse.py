@@ -195,12 +195,12 @@ class _SearchingObserver(Observer):
         opts = self.options
         observed = range_or_zero(batch.min_vals, batch.max_vals)
         low, high = self._search(batch.x_flat, observed)
-        absmax = None
+        absmax: torch.Tensor | None = None
         fixed_global = opts.round_scales or opts.scale_search == "discrete"
         if fixed_global and self._tracks_global():
             # The search used the global scale of the observed range.
             found = absmax_or_zero(observed[0] * opts.expand, observed[1] * opts.expand)
-            absmax = min(float(found), torch.finfo(torch.float32).max)  # saturate
+            absmax = found.clamp(max=torch.finfo(torch.float32).max)  # saturate
         return replace(batch, min_vals=low, max_vals=high, absmax=absmax)
 
 

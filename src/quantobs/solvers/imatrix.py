@@ -39,6 +39,7 @@ from quantobs.core.scoring import (
 from quantobs.stats.reduce import minmax
 
 __all__ = [
+    "best_index",
     "imatrix_factors",
     "imatrix_search",
     "normalize_importance",
@@ -117,39 +118,33 @@ def weighted_errors(
     return errors
 
 
-class _RunningBest:
-    """The first candidate of least error of each qparam, fed consecutive
-    blocks of candidates, and llm-compressor's early stop.
+def best_index(errors: torch.Tensor, patience: int) -> torch.Tensor:
+    """llm-compressor's choice among candidates with its early stop, decided
+    on the device (no host read): `(C, Q)` float32 errors -> `(Q,)` int64.
 
     A candidate improves a qparam when its error is strictly below the best
     so far (float32, from `finfo.max`; NaN never improves); the search stops
-    after `patience` consecutive candidates that improve none (0: never).
+    after `patience` consecutive candidates that improve none (0: never),
+    counted from the first candidate. Each qparam gets its first candidate
+    of least error among those scored (0 where none improved).
     """
-
-    def __init__(self, num_q: int, patience: int, device: torch.device) -> None:
-        self.patience = patience
-        self.error = torch.full((num_q,), _MAX, device=device)  # (Q,)
-        self.index = torch.zeros(num_q, dtype=torch.int64, device=device)  # (Q,)
-        self.stale = 0
-
-    def fold(self, errors: torch.Tensor, first: int) -> bool:
-        """Fold in the `(c, Q)` errors of candidates `first .. first + c - 1`;
-        True when the search stops (the later candidates are not folded)."""
-        errors = errors.masked_fill(errors.isnan(), math.inf)
-        if self.patience == 0:
-            values, found = errors.min(dim=0)  # the block's first minimum
-            improved = values < self.error
-            torch.minimum(self.error, values, out=self.error)
-            self.index = torch.where(improved, found + first, self.index)
-            return False
-        for i in range(errors.shape[0]):
-            improved = errors[i] < self.error
-            torch.minimum(self.error, errors[i], out=self.error)
-            self.index.masked_fill_(improved, first + i)
-            self.stale = 0 if bool(improved.any()) else self.stale + 1
-            if self.stale >= self.patience:
-                return True
-        return False
+    num_c = errors.shape[0]
+    device = errors.device
+    errors = errors.masked_fill(errors.isnan(), math.inf)
+    least = torch.cummin(errors, dim=0).values.clamp(max=_MAX)  # (C, Q)
+    start = torch.full_like(errors[:1], _MAX)
+    before = torch.cat([start, least[:-1]])  # best before each candidate
+    improved = (errors < before).any(dim=1)  # (C,)
+    rows = torch.arange(num_c, device=device)
+    scored = torch.full((), num_c, dtype=torch.int64, device=device)
+    if patience:
+        last = torch.cummax(torch.where(improved, rows, -1), dim=0).values
+        stale = rows - last  # candidates since the last improving one
+        scored = torch.where(stale >= patience, rows + 1, num_c).amin()
+    kept = torch.where(rows[:, None] < scored, errors, math.inf)
+    index = torch.argmin(kept, dim=0)  # first minimum wins
+    found = kept.gather(0, index[None])[0]
+    return torch.where(found < _MAX, index, 0)
 
 
 def imatrix_search(
@@ -201,10 +196,11 @@ def imatrix_search(
     num_c = factors.numel()
     if patience >= num_c:  # it cannot stop before the last candidate
         patience = 0
-    best = _RunningBest(x3.shape[1], patience, x_flat.device)
     # Blocks of candidates whose (c, Q) errors are at most one copy of the
-    # input, and (early stop) at most `patience`: a stop skips the rest.
+    # input (and at most `patience`, the blocks llm-compressor's early stop
+    # was checked after): all scored, the stop decided on the device.
     block = min(num_c, max(1, n * g), patience or num_c)
+    found_errors = []
     for c0 in range(0, num_c, block):
         block_factors = factors[c0 : c0 + block]
         if w3 is None:
@@ -215,7 +211,7 @@ def imatrix_search(
             errors = weighted_errors(
                 x3, scoring, mins, maxs, block_factors, norm, w3, chunk_elems
             )
-        if best.fold(errors, c0):
-            break
-    found = factors[best.index].reshape(qshape)
+        found_errors.append(errors)
+    index = best_index(torch.cat(found_errors), patience)
+    found = factors[index].reshape(qshape)
     return min_vals * found, max_vals * found

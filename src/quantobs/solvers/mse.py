@@ -26,9 +26,10 @@ from typing import NamedTuple
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, search_args, shrink_factors
-from quantobs.solvers.mse_ties import LlmCompressorErrors, patience_stop
+from quantobs.solvers.mse_ties import LlmCompressorErrors, first_best, patience_stop
 from quantobs.stats.reduce import minmax
 
 __all__ = ["GridSearch", "best_shrink", "grid_search", "mse_search"]
@@ -115,7 +116,8 @@ def grid_search(
     scoring = search_args(args, round_scales)
     global_scale = None
     if round_scales and args.strategy == "tensor_group":
-        global_scale = generate_gparam(min_vals.min(), max_vals.max())
+        # the data's checks are its observer's: not read here (no host wait)
+        global_scale = generate_gparam(min_vals.min(), max_vals.max(), checks=Checks())
     n, g = x_flat.shape[0], x_flat.shape[-1]
     x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
     best = best_shrink(
@@ -164,9 +166,16 @@ def best_shrink(
     table = LlmCompressorErrors(
         x3, args, min_vals, max_vals, factors, norm, chunk_elems, global_scale
     )
-    # Score candidates in blocks so an early stop skips the rest; where the
-    # kernel's errors say the search ends, settle its near ties and decide.
     block = factors.numel() if patience is None else max(1, patience)
+    if not table.settles:
+        # torch's errors (any device): every block scored, the early stop
+        # decided on the device, so the host waits for nothing (issue 24).
+        for _ in range(0, factors.numel(), block):
+            errors = table.extend(block)
+        return factors[first_best(errors, patience)]
+    # The native kernel's (CPU): score candidates in blocks so an early stop
+    # skips the rest; where its errors say the search ends, settle its near
+    # ties and decide.
     for c0 in range(0, factors.numel(), block):
         errors = table.extend(block)  # (C so far, Q)
         last = c0 + block >= factors.numel()

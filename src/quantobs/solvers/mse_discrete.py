@@ -33,11 +33,13 @@ under the same global scale.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.formats import get_format
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.qparams.pow2 import E8M0_MAX_EXP, E8M0_MIN_EXP, pow2_exponent
@@ -75,17 +77,46 @@ def check_discrete_args(args: QuantizationArgs) -> None:
         )
 
 
-def _e4m3_candidates(raw_hi: torch.Tensor, raw_lo: torch.Tensor) -> torch.Tensor:
+def _positive_e4m3() -> torch.Tensor:
+    """`(T,)` float32 positive e4m3 values, ascending (on the CPU)."""
+    table = get_format(_E4M3).values()
+    return table[table > 0].to(torch.float32)
+
+
+# Built once: a search reads nothing of it on the host (issue 24).
+_E4M3_TABLE = _positive_e4m3()
+# The least log2 ratio of consecutive values (16/15: 1.875 -> 2).
+_E4M3_LEAST_STEP = float(torch.log2(_E4M3_TABLE[1:] / _E4M3_TABLE[:-1]).min())
+
+
+def _octaves(maxshrink: float) -> float:
+    """log2 of the ratio of a range's ends `amax / ((1 - maxshrink) * amax)`,
+    with room for float32's rounding of the two."""
+    return -math.log2(1.0 - maxshrink) + 1e-6
+
+
+def _e4m3_count(maxshrink: float) -> int:
+    """The most candidates `_e4m3_candidates` makes for a qparam: values in
+    the range's span (at least `_E4M3_LEAST_STEP` apart in log2), one more
+    above and two more below, both ends; known on the host before the data."""
+    if maxshrink >= 1.0:
+        return _E4M3_TABLE.numel()
+    inside = math.floor(_octaves(maxshrink) / _E4M3_LEAST_STEP) + 1
+    return min(_E4M3_TABLE.numel(), inside + 4)
+
+
+def _e4m3_candidates(
+    raw_hi: torch.Tensor, raw_lo: torch.Tensor, count: int
+) -> torch.Tensor:
     """`(K, Q)` e4m3 values, descending: every value `raw_lo` and `raw_hi`
     (`(Q,)` unrounded scales) and the scales between them round to, and one
-    more value on each side."""
-    table = get_format(_E4M3).values()
-    table = table[table > 0].to(torch.float32).to(raw_hi.device)  # (T,) ascending
+    more value on each side; `count` rows (`_e4m3_count`), shorter lists
+    repeating their last value."""
+    table = _E4M3_TABLE.to(raw_hi.device)  # (T,) ascending
     last = table.numel() - 1
     # round(raw) is table[j - 1] or table[j], j = searchsorted(table, raw).
     hi = (torch.searchsorted(table, raw_hi) + 1).clamp(0, last)  # (Q,)
     lo = (torch.searchsorted(table, raw_lo) - 2).clamp(0, last)  # (Q,)
-    count = int((hi - lo).max()) + 1
     steps = torch.arange(count, device=raw_hi.device)[:, None]  # (K, 1)
     index = torch.maximum(hi[None] - steps, lo[None])  # (K, Q), repeats lo
     return table[index]
@@ -99,7 +130,12 @@ def _e8m0_candidates(amax: torch.Tensor, maxshrink: float, emax: int) -> torch.T
     hi = pow2_exponent(positive) - emax + 1
     lo = pow2_exponent(positive * (1.0 - maxshrink)) - emax - 1
     hi, lo = hi.clamp(E8M0_MIN_EXP, top), lo.clamp(E8M0_MIN_EXP, top)
-    count = int((hi - lo).max()) + 1
+    # the most exponents between the ends, known before the data (no host
+    # read): exponents of values `octaves` apart differ by at most
+    # ceil(octaves) + 1, and one more on each side
+    count = top - E8M0_MIN_EXP + 1
+    if maxshrink < 1.0:
+        count = min(count, math.ceil(_octaves(maxshrink)) + 4)
     steps = torch.arange(count, device=amax.device, dtype=torch.float32)[:, None]
     exponents = torch.maximum(hi[None] - steps, lo[None])  # (K, Q)
     return torch.ldexp(torch.ones_like(exponents), exponents.int())
@@ -133,7 +169,7 @@ def stored_scale_candidates(
     if global_scale is not None:
         gscale = global_scale.float().reshape(())
         raw_hi, raw_lo = raw_hi * gscale, raw_lo * gscale
-    return _e4m3_candidates(raw_hi, raw_lo)
+    return _e4m3_candidates(raw_hi, raw_lo, _e4m3_count(maxshrink))
 
 
 def discrete_scale_search(
@@ -176,7 +212,8 @@ def discrete_scale_search(
     amax = torch.maximum(-mins, maxs).clamp(min=0.0)  # (Q,)
     global_scale = None
     if args.strategy == "tensor_group":
-        global_scale = generate_gparam(min_vals.min(), max_vals.max())
+        # the data's checks are its observer's: not read here (no host wait)
+        global_scale = generate_gparam(min_vals.min(), max_vals.max(), checks=Checks())
     stored = stored_scale_candidates(amax, args, maxshrink, global_scale)  # (K, Q)
     effective = stored if global_scale is None else stored / global_scale
     n, g = x_flat.shape[0], x_flat.shape[-1]

@@ -47,7 +47,7 @@ from quantobs.core.scoring import (
     score_with_torch,
 )
 
-__all__ = ["LlmCompressorErrors", "patience_stop"]
+__all__ = ["LlmCompressorErrors", "first_best", "patience_stop", "patience_stops"]
 
 _TOLERANCE = 2.0**-16
 
@@ -77,6 +77,44 @@ def patience_stop(errors: torch.Tensor, patience: int | None) -> int | None:
         if stale >= patience and not improved:
             return i + 1
     return None
+
+
+def patience_stops(errors: torch.Tensor, patience: int | None) -> torch.Tensor:
+    """`patience_stop` as a 0-d int64 tensor, without reading anything on
+    the host: how many candidates llm-compressor scores (`C` where it does
+    not stop within these).
+
+    Row `i` improves where it is below the least error of the rows before
+    it (`cummin`); it is stale since the last improving row (row 0 starts
+    the count); the search stops after the first stale row `i >= patience`
+    rows past the last improvement.
+    """
+    num_c = errors.shape[0]
+    device = errors.device
+    if patience is None or num_c == 0:
+        return torch.full((), num_c, dtype=torch.int64, device=device)
+    least = torch.cummin(errors, dim=0).values  # (C, Q): least of rows <= i
+    improved = torch.cat(
+        [
+            torch.ones(1, dtype=torch.bool, device=device),
+            (errors[1:] < least[:-1]).any(dim=1),
+        ]
+    )  # (C,)
+    index = torch.arange(num_c, device=device)
+    last = torch.cummax(torch.where(improved, index, 0), dim=0).values
+    stops = (index - last >= patience) & ~improved
+    first = torch.where(stops, index + 1, num_c).amin()
+    return first
+
+
+def first_best(errors: torch.Tensor, patience: int | None) -> torch.Tensor:
+    """`(Q,)` index of the first least error per qparam among the candidates
+    llm-compressor scores before its early stop (`patience_stops`), decided
+    on the device: rows past the stop count as `+inf`."""
+    stop = patience_stops(errors, patience)
+    rows = torch.arange(errors.shape[0], device=errors.device)[:, None]
+    scored = torch.where(rows < stop, errors, math.inf)
+    return torch.argmin(scored, dim=0)  # first minimum wins
 
 
 class LlmCompressorErrors:

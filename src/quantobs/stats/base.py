@@ -93,7 +93,9 @@ class Batch:
         min_vals: `(*Q,)` smallest finite value per qparam (`+inf` where none).
         max_vals: `(*Q,)` largest finite value per qparam (`-inf` where none).
         num_observations: `N`, the batch's observations.
-        absmax: `max(-min, max, 0)` over the qparams when it came for free.
+        absmax: `max(-min, max, 0)` over the qparams when it came for free
+            (a float from the native scan, or a one-element tensor kept on
+            the device).
         has_skipped: `x_flat` holds NaN entries standing for skipped values.
         scan: what a statistic's `scan` found in the pass that produced the
             range (e.g. counts on a speculated grid), or None.
@@ -103,7 +105,7 @@ class Batch:
     min_vals: torch.Tensor
     max_vals: torch.Tensor
     num_observations: int = 1
-    absmax: float | None = None
+    absmax: float | torch.Tensor | None = None
     has_skipped: bool = False
     scan: Any = None
 

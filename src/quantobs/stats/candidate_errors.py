@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import (
     DEFAULT_CHUNK_ELEMS,
@@ -118,6 +119,13 @@ class CandidateErrors(Statistic):
             raise ValueError(
                 "set_reference() needs min_vals <= max_vals of the same shape"
             )
+        return self._referenced(min_vals, max_vals, Checks())
+
+    def _referenced(
+        self, min_vals: torch.Tensor, max_vals: torch.Tensor, checks: Checks
+    ) -> CandidateErrors:
+        """`with_reference` of float32 ranges without their checks (those of
+        the global scale go to `checks`)."""
         # `expand` past float32's max saturates (the candidates stay finite)
         top = torch.finfo(min_vals.dtype).max
         ref_min = (min_vals * self.expand).clamp(-top, top)
@@ -125,18 +133,35 @@ class CandidateErrors(Statistic):
         global_scale = None
         tensor_group = self.args is not None and self.args.strategy == "tensor_group"
         if self.round_scales and tensor_group:
-            global_scale = generate_gparam(ref_min.min(), ref_max.max())
+            global_scale = generate_gparam(ref_min.min(), ref_max.max(), checks=checks)
         errors = self._zeros(tuple(ref_min.shape), ref_min.device)
         return self.replace(
             ref_min=ref_min, ref_max=ref_max, errors=errors, global_scale=global_scale
         )
 
+    def _batch_referenced(self, batch: Batch) -> CandidateErrors:
+        """This statistic, or where it has no reference yet (decided on the
+        device, nothing read on the host) one with the batch's range as its
+        reference. The batch's data is the observer's to check: its checks
+        are not read here."""
+        low, high = range_or_zero(batch.min_vals, batch.max_vals)
+        fresh = self._referenced(low.float(), high.float(), Checks())
+        has = (self.ref_min <= self.ref_max).all()  # () bool
+        global_scale = fresh.global_scale
+        if self.global_scale is not None and global_scale is not None:
+            global_scale = torch.where(has, self.global_scale, global_scale)
+        elif self.global_scale is not None:
+            global_scale = self.global_scale
+        return self.replace(
+            ref_min=torch.where(has, self.ref_min, fresh.ref_min),
+            ref_max=torch.where(has, self.ref_max, fresh.ref_max),
+            global_scale=global_scale,
+        )
+
     def update(self, batch: Batch) -> CandidateErrors:
         if batch.x_flat is None or self.args is None:
             raise ValueError("candidate errors score values under args; none given")
-        stat = self
-        if not stat.has_reference:
-            stat = stat.with_reference(*range_or_zero(batch.min_vals, batch.max_vals))
+        stat = self._batch_referenced(batch)
         values = batch.x_flat
         found = candidate_errors(
             values,

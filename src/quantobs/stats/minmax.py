@@ -65,6 +65,8 @@ def _empty_range(
 
 def _batch_absmax(batch: Batch) -> torch.Tensor:
     """`(1,)` float32 absmax of the batch's ranges (free when the scan knew it)."""
+    if isinstance(batch.absmax, torch.Tensor):
+        return batch.absmax.to(torch.float32).reshape(1)
     if batch.absmax is not None:
         return torch.tensor([batch.absmax], dtype=torch.float32)
     return absmax_or_zero(batch.min_vals, batch.max_vals)
@@ -183,14 +185,11 @@ def lerp_ranges(
     """
     step = lerp if form == "blend" else _step
     old_empty, new_empty = old[0] > old[1], new[0] > new[1]
-    any_old, any_new = bool(old_empty.any()), bool(new_empty.any())
     out = []
     for before, after in zip(old, new, strict=True):
         mixed = step(before, after, weight)
-        if any_old:
-            mixed = torch.where(old_empty, after, mixed)
-        if any_new:
-            mixed = torch.where(new_empty, before, mixed)
+        mixed = torch.where(old_empty, after, mixed)
+        mixed = torch.where(new_empty, before, mixed)
         out.append(_redo_overflow(mixed, before, after, weight))
     return out[0], out[1]
 
@@ -202,12 +201,8 @@ def _redo_overflow(
     that overflowed (`new - old` of opposite signs near the dtype's max in
     the `step` form, a rounding past it in `blend`) redone in float64 as
     `old * (1 - w) + new * w`, a weighted mean: finite, between the ends.
-    Ordinary steps keep their bits (one check)."""
-    if bool(torch.isfinite(mixed).all()):
-        return mixed
+    Ordinary steps keep their bits (elementwise, nothing read on the host)."""
     bad = ~torch.isfinite(mixed) & torch.isfinite(before) & torch.isfinite(after)
-    if not bool(bad.any()):
-        return mixed
     top = torch.finfo(mixed.dtype).max
     exact = before.double() * (1.0 - weight) + after.double() * weight
     return torch.where(bad, exact.clamp(-top, top).to(mixed.dtype), mixed)

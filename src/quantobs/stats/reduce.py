@@ -28,7 +28,6 @@ import torch
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import block_view, flatten_for_calibration
-from quantobs.core.qparams import all_finite
 from quantobs.native.dispatch import kernel
 
 __all__ = [
@@ -181,11 +180,12 @@ def drop_nonfinite(x_flat: torch.Tensor) -> torch.Tensor:
 
 
 def range_or_zero(min_vals: torch.Tensor, max_vals: torch.Tensor) -> Range:
-    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`.
+
+    Elementwise, without reading anything on the host (other ranges keep
+    their bits)."""
     empty = min_vals > max_vals
-    if not bool(empty.any()):
-        return min_vals, max_vals
-    zero = torch.zeros_like(min_vals)
+    zero = torch.zeros((), dtype=min_vals.dtype, device=min_vals.device)
     return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
 
 
@@ -204,16 +204,15 @@ def finite_range(selected: Range, observed: Range) -> Range:
 
     Qparams without data (an empty observed range), with non-finite data
     (`nan_policy="propagate"`) or whose selection is the empty range
-    `(+inf, -inf)` (e.g. every value left out) keep the selected range, and
-    a finite selection is returned as it is (one check).
+    `(+inf, -inf)` (e.g. every value left out) keep the selected range; a
+    finite selection keeps its bits. Elementwise, without reading anything
+    on the host.
 
     Args:
         selected: the solver's `(*Q,)` `(min_vals, max_vals)`.
         observed: the data's `(*Q,)` `(min_vals, max_vals)`.
     """
     low, high = selected
-    if all_finite(low, high):
-        return low, high
     data_low, data_high = observed[0].to(low.dtype), observed[1].to(high.dtype)
     seen = torch.isfinite(data_low) & torch.isfinite(data_high)
     seen &= data_low <= data_high

@@ -67,6 +67,7 @@ import torch
 
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.formats import NumberFormat, get_format
 from quantobs.core.qparams.pow2 import (
     E8M0_BIAS,
@@ -126,25 +127,40 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 def range_or_zero(
     min_vals: torch.Tensor, max_vals: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`."""
+    """Empty ranges `(+inf, -inf)` (qparams that saw no finite value) -> `(0, 0)`.
+
+    Elementwise, without reading anything on the host (other ranges keep
+    their bits)."""
     empty = min_vals > max_vals
-    if not bool(empty.any()):
-        return min_vals, max_vals
-    zero = torch.zeros_like(min_vals)
+    zero = torch.zeros((), dtype=min_vals.dtype, device=min_vals.device)
     return torch.where(empty, zero, min_vals), torch.where(empty, zero, max_vals)
 
 
-def _check_range(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+def _check_range(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, checks: Checks | None = None
+) -> None:
+    """Raise on non-finite ranges or `min > max`; with `checks`, the two
+    data checks are added to it (raised on its one read) instead."""
     _check_range_types(min_vals, max_vals)
-    if not all_finite(min_vals, max_vals):
-        bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
-        raise ValueError(
-            f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
-            "max_vals; drop non-finite inputs before observing (e.g. an "
-            "observer with nan_policy='omit')"
-        )
-    if (min_vals > max_vals).any():
-        raise ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
+    checks.add(bad, _nonfinite_range_error)
+    checks.add((min_vals > max_vals).any(), _reversed_range_error)
+    if own:
+        checks.raise_first()
+
+
+def _nonfinite_range_error(bad: float) -> ValueError:
+    return ValueError(
+        f"{int(bad)} non-finite range value(s) (NaN or inf) in min_vals/"
+        "max_vals; drop non-finite inputs before observing (e.g. an "
+        "observer with nan_policy='omit')"
+    )
+
+
+def _reversed_range_error(_: float) -> ValueError:
+    return ValueError("min_vals > max_vals somewhere; pass the range as (min, max)")
 
 
 def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
@@ -195,6 +211,7 @@ def calculate_qparams(
     pow2: Pow2Rounding | None = None,
     empty_as_zero: bool = False,
     observed_dtype: torch.dtype | None = None,
+    checks: Checks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from a range, per quantization parameter.
 
@@ -222,6 +239,9 @@ def calculate_qparams(
             scale multiplies them, and asymmetric scales and zero points at
             each step, as compressed-tensors computes in it (the zero-scale
             replacement is then its eps); None: float32.
+        checks: where the checks of the data go (`quantobs.core.checks`):
+            the caller raises them. Without it they are read at the end,
+            all at once (one host-device synchronisation).
 
     Returns:
         `(scale, zero_point)`, each `(*qparam_shape,)` (`(1,)` for a 0-d
@@ -235,30 +255,29 @@ def calculate_qparams(
             global scale that is not one finite positive number.
     """
     _check_range_types(min_vals, max_vals)
+    own = checks is None
+    checks = Checks() if checks is None else checks
     if global_scale is not None:
-        check_global_scale(global_scale)
+        _check_global_scale(global_scale, checks)
     rounded = _rounded_dtype(observed_dtype)
     if args.symmetric and not args.is_mx and pow2 is None:
-        gscale = None if global_scale is None else float(global_scale.float())
         if rounded is not None:
             scale = _rounded_symmetric_scales(
-                min_vals, max_vals, args, gscale, empty_as_zero, rounded
+                min_vals, max_vals, args, global_scale, empty_as_zero, rounded, checks
             )
         else:
             scale = _symmetric_scales(
-                min_vals,
-                max_vals,
-                args.format,
-                args.scale_dtype,
-                gscale,
-                empty_as_zero,
-            )
+                min_vals, max_vals, args.format, args.scale_dtype, global_scale,
+                empty_as_zero, checks,
+            )  # fmt: skip
         if _may_be_subnormal(args.scale_dtype, scale.dtype):
             scale = _floor_positive(scale)
+        if own:
+            checks.raise_first()
         return _with_zero_point(scale, None, args)
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    _check_range(min_vals, max_vals)
+    _check_range(min_vals, max_vals, checks)
     out_dtype = min_vals.dtype
     work = _work_dtype(out_dtype)
     fmt = args.format
@@ -279,10 +298,9 @@ def calculate_qparams(
         max_vals = torch.clamp(max_vals.to(work), min=0.0)
         scale = (max_vals - min_vals) / (qmax - qmin)
         wide = ~torch.isfinite(scale)  # max - min overflowed
-        if wide.any():
-            scale = torch.where(
-                wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
-            )
+        scale = torch.where(
+            wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
+        )
         if pow2 is None:  # powers of two are exact, subnormal or not
             scale = _floor_subnormal(scale, out_dtype)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -293,7 +311,9 @@ def calculate_qparams(
         scale = torch.where(scale > 0, torch.exp2(pow2_exponent(scale, pow2)), scale)
     scale_dtype = None if args.is_mx else args.scale_dtype
     global_work = None if global_scale is None else global_scale.to(work)
-    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype, rounded)
+    scale = _finish_scale(scale, global_work, scale_dtype, out_dtype, checks, rounded)
+    if own:
+        checks.raise_first()
     return _with_zero_point(scale, zero_point, args)
 
 
@@ -322,8 +342,7 @@ def _rounded_asymmetric(
     span = torch.tensor(qmax - qmin, dtype=dtype)
     scale = (high - low) / span
     wide = ~torch.isfinite(scale)  # max - min overflowed
-    if wide.any():
-        scale = torch.where(wide, high / span - low / span, scale)
+    scale = torch.where(wide, high / span - low / span, scale)  # no host read
     scale = _floor_subnormal(scale.to(work), work).to(dtype)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     # low == 0 wherever scale == 0, so the zero point is qmin there.
@@ -346,16 +365,12 @@ def _floor_subnormal(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (module docstring); zeros (replaced later) and normal scales unchanged."""
     tiny = torch.finfo(dtype).tiny
     small = (scale > 0) & (scale < tiny)
-    return torch.where(small, tiny, scale) if bool(small.any()) else scale
+    return torch.where(small, tiny, scale)
 
 
 def _floor_positive(scale: torch.Tensor) -> torch.Tensor:
-    """`_floor_subnormal` of finished scales (all positive): one reduction
-    where none is subnormal."""
-    tiny = torch.finfo(scale.dtype).tiny
-    if not scale.numel() or not bool(scale.amin() < tiny):
-        return scale
-    return scale.clamp(min=tiny)
+    """`_floor_subnormal` of finished scales (all positive): a clamp."""
+    return scale.clamp(min=torch.finfo(scale.dtype).tiny)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -386,6 +401,7 @@ def _finish_scale(
     global_scale: torch.Tensor | float | None,
     scale_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    checks: Checks,
     rounded: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Times the global scale, rounded to `scale_dtype`, in `out_dtype`, zeros
@@ -393,16 +409,20 @@ def _finish_scale(
     else of the dtype the arithmetic `rounded` to, else of `out_dtype`."""
     if global_scale is not None:
         scale = global_scale * scale
-        if not bool(torch.isfinite(scale.amax())):  # scale >= 0: amax suffices
-            raise ValueError(
-                "global_scale * scale overflowed; the global scale is too large "
-                "for this range (compute it with generate_gparam)"
-            )
+        # scale >= 0: its amax is finite where every scale is
+        checks.add(~torch.isfinite(scale.amax()), _global_overflow_error)
     if scale_dtype is not None:
         scale = _round_to_dtype(scale, scale_dtype)
     scale = scale.to(out_dtype)
     eps = _zero_scale_replacement(scale_dtype or rounded or out_dtype)
     return scale.masked_fill_(scale <= 0, eps)  # scale is a fresh tensor here
+
+
+def _global_overflow_error(_: float) -> ValueError:
+    return ValueError(
+        "global_scale * scale overflowed; the global scale is too large "
+        "for this range (compute it with generate_gparam)"
+    )
 
 
 @kernel
@@ -411,27 +431,32 @@ def _symmetric_scales(
     max_vals: torch.Tensor,
     fmt: NumberFormat,
     scale_dtype: torch.dtype | None,
-    global_scale: float | None,
+    global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    checks: Checks,
 ) -> torch.Tensor:
     """Symmetric (non-MX) scales: `max(-min, max, 0) / ((qmax - qmin) / 2)`,
-    times the global scale, rounded to `scale_dtype`, zeros -> eps."""
+    times the global scale (its float32 value), rounded to `scale_dtype`,
+    zeros -> eps."""
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    _check_range(min_vals, max_vals)
+    _check_range(min_vals, max_vals, checks)
     work = _work_dtype(min_vals.dtype)
     scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
-    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
-    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype)
+    gscale = None
+    if global_scale is not None:
+        gscale = global_scale.float().to(work).reshape(())
+    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
 
 
 def _rounded_symmetric_scales(
     min_vals: torch.Tensor,
     max_vals: torch.Tensor,
     args: QuantizationArgs,
-    global_scale: float | None,
+    global_scale: torch.Tensor | None,
     empty_as_zero: bool,
     dtype: torch.dtype,
+    checks: Checks,
 ) -> torch.Tensor:
     """Symmetric (non-MX) scales in compressed-tensors' arithmetic on values
     of `dtype` (bfloat16 / float16): `amax / ((qmax - qmin) / 2)` computed in
@@ -439,7 +464,7 @@ def _rounded_symmetric_scales(
     to `scale_dtype`, zeros -> the eps of `scale_dtype`, else of `dtype`."""
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
-    _check_range(min_vals, max_vals)
+    _check_range(min_vals, max_vals, checks)
     fmt, work = args.format, _work_dtype(min_vals.dtype)
     # (*Q,) amax of values of `dtype`: exact in it (a searched range past its
     # max saturates)
@@ -447,8 +472,10 @@ def _rounded_symmetric_scales(
     amax = amax.to(dtype)
     half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
     scale = (amax / half_range).to(work)
-    gscale = None if global_scale is None else torch.tensor(global_scale, dtype=work)
-    return _finish_scale(scale, gscale, args.scale_dtype, min_vals.dtype, dtype)
+    gscale = None
+    if global_scale is not None:
+        gscale = global_scale.float().to(work).reshape(())
+    return _finish_scale(scale, gscale, args.scale_dtype, min_vals.dtype, checks, dtype)
 
 
 def _symmetric_scales_native(
@@ -456,11 +483,13 @@ def _symmetric_scales_native(
     max_vals: torch.Tensor,
     fmt: NumberFormat,
     scale_dtype: torch.dtype | None,
-    global_scale: float | None,
+    global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    checks: Checks,
 ) -> torch.Tensor | None:
     """The float32 arithmetic in one pass (NVFP4's 1M group scales); declines
-    (None) for other dtypes, and where the torch path must raise."""
+    (None) for other dtypes, and where the torch path must raise (CPU only:
+    reading the global scale costs no device synchronisation there)."""
     scale_dtype = scale_dtype or torch.float32
     if min_vals.dtype != torch.float32 or scale_dtype not in (
         torch.float32,
@@ -471,7 +500,7 @@ def _symmetric_scales_native(
         min_vals,
         max_vals,
         (fmt.max - fmt.min) / 2,
-        global_scale,
+        None if global_scale is None else float(global_scale.float()),
         scale_dtype == torch.float8_e4m3fn,
         _zero_scale_replacement(scale_dtype),
         empty_as_zero,
@@ -534,6 +563,15 @@ class CompressedTensorsRule:
 
 def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
     """Validate a global scale: one finite, positive number."""
+    checks = Checks()
+    _check_global_scale(global_scale, checks)
+    checks.raise_first()
+    return global_scale
+
+
+def _check_global_scale(global_scale: torch.Tensor, checks: Checks) -> None:
+    """`check_global_scale`: its type and shape at once, its value added to
+    `checks`."""
     if not isinstance(global_scale, torch.Tensor):
         raise TypeError(
             f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}"
@@ -543,12 +581,12 @@ def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
             f"global_scale must hold one value (shape (1,)), got shape "
             f"{tuple(global_scale.shape)}"
         )
-    value = global_scale.detach().float()
-    if not (torch.isfinite(value).all() and (value > 0).all()):
-        raise ValueError(
-            f"global_scale must be finite and positive, got {value.item()}"
-        )
-    return global_scale
+    value = global_scale.detach().float().reshape(())
+    checks.add(~(torch.isfinite(value) & (value > 0)), _global_scale_error, value)
+
+
+def _global_scale_error(_: float, value: float) -> ValueError:
+    return ValueError(f"global_scale must be finite and positive, got {value}")
 
 
 def amax_to_global_scale(
@@ -558,6 +596,7 @@ def amax_to_global_scale(
     dtype: torch.dtype = torch.float32,
     *,
     observed_dtype: torch.dtype | None = None,
+    checks: Checks | None = None,
 ) -> torch.Tensor:
     """NVFP4 global scale `scale_max * quant_max / amax` (448 * 6 / amax).
 
@@ -574,6 +613,8 @@ def amax_to_global_scale(
             float16 compute the quotient in it as compressed-tensors does
             (`reciprocal(amax) * 2688`, each rounded; float16 overflows to
             1.0 below an amax of about 0.041); None: float32.
+        checks: where the finiteness check of `amax` goes (the caller
+            raises it, `quantobs.core.checks`); without it, it is read here.
 
     Returns:
         `(1,)` global scale in `dtype`.
@@ -584,11 +625,11 @@ def amax_to_global_scale(
     quant_fmt = (
         get_format(quant_format) if isinstance(quant_format, str) else quant_format
     )
-    if not torch.isfinite(amax).all():
-        raise ValueError(
-            "amax is not finite (NaN or inf); drop non-finite inputs before "
-            "computing a global scale"
-        )
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    checks.add(~torch.isfinite(amax).all(), _nonfinite_amax_error)
+    if own:
+        checks.raise_first()
     work = _rounded_dtype(observed_dtype) or torch.float32
     product = scale_fmt.max * quant_fmt.max
     # a (1,)-like amax of values of `work` (exact in it; a searched range
@@ -619,6 +660,13 @@ def _warn_float16_overflow(amax: torch.Tensor, product: float) -> None:
         )
 
 
+def _nonfinite_amax_error(_: float) -> ValueError:
+    return ValueError(
+        "amax is not finite (NaN or inf); drop non-finite inputs before "
+        "computing a global scale"
+    )
+
+
 def generate_gparam(
     min_vals: torch.Tensor,
     max_vals: torch.Tensor,
@@ -627,6 +675,7 @@ def generate_gparam(
     dtype: torch.dtype = torch.float32,
     *,
     observed_dtype: torch.dtype | None = None,
+    checks: Checks | None = None,
 ) -> torch.Tensor:
     """Global scale from a tensor's range (compressed-tensors' `generate_gparam`).
 
@@ -638,20 +687,32 @@ def generate_gparam(
         dtype: dtype of the result.
         observed_dtype: dtype of the observed values (see
             `amax_to_global_scale`).
+        checks: where the checks of the range go (the caller raises them,
+            `quantobs.core.checks`); without it, they are read here at once.
 
     Returns:
         `(1,)` global scale, see `amax_to_global_scale`.
     """
-    _check_range(min_vals, max_vals)
+    own = checks is None
+    checks = Checks() if checks is None else checks
+    _check_range(min_vals, max_vals, checks)
     amax = torch.maximum(
         torch.clamp(min_vals.float(), max=0.0).abs(),
         torch.clamp(max_vals.float(), min=0.0),
     )
     if amax.numel() != 1:
         amax = amax.max()
-    return amax_to_global_scale(
-        amax, scale_format, quant_format, dtype, observed_dtype=observed_dtype
+    found = amax_to_global_scale(
+        amax,
+        scale_format,
+        quant_format,
+        dtype,
+        observed_dtype=observed_dtype,
+        checks=checks,
     )
+    if own:
+        checks.raise_first()
+    return found
 
 
 def scale_to_storage(scale: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
