@@ -105,25 +105,42 @@ def _keys(directory: Path) -> set[str]:
     return found
 
 
-def _targeted(directory: Path) -> list[str]:
-    """Names of the layers `Linear` targets with lm_head ignored, experts
-    stored fused counted one per expert and projection, as checkpoints
-    name them."""
+def _targeted(directory: Path) -> tuple[list[str], dict[int, int]]:
+    """The `Linear` layers outside lm_head, and the experts stored fused:
+    `{decoder layer index: experts}` (checkpoints name them their own way,
+    e.g. Mixtral's `block_sparse_moe.experts.N.w1`)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     names = [
         name
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and name != "lm_head"
     ]
-    experts = [
-        (name, module)
+    experts = {
+        int(re.search(r"layers\.(\d+)\.", name).group(1)): int(
+            module.gate_up_proj.shape[0]
+        )
         for name, module in model.named_modules()
         if type(module).__name__.endswith("Experts")
-    ]
-    for name, module in experts:
-        count = int(getattr(module, "num_experts", 0) or module.gate_up_proj.shape[0])
-        names += [f"{name}.{e}" for e in range(count)]
-    return names
+    }
+    return names, experts
+
+
+def _unquantized(directory: Path, scales: set[str]) -> list[str]:
+    """What the recipe targets that has no weight scale in the checkpoint:
+    layers by name, experts as `layer L expert E projections P`."""
+    names, experts = _targeted(directory)
+    missing = [n for n in names if n not in scales]
+    for layer, count in experts.items():
+        found: dict[int, set[str]] = {}
+        for key in scales:
+            hit = re.search(rf"layers\.{layer}\..*experts\.(\d+)\.(\w+)$", key)
+            if hit:
+                found.setdefault(int(hit.group(1)), set()).add(hit.group(2))
+        for expert in range(count):
+            projections = found.get(expert, set())
+            if len(projections) != 3:  # gate, up, down (w1, w3, w2)
+                missing.append(f"layer {layer} expert {expert}: {projections}")
+    return missing
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -169,8 +186,7 @@ def test_checkpoint_loads_and_equals_the_calibrated_model(
 
     keys = _keys(out)
     scales = {k.rsplit(".", 1)[0] for k in keys if k.endswith(".weight_scale")}
-    targeted = _targeted(source)
-    unquantized = [n for n in targeted if not any(s.startswith(n) for s in scales)]
+    unquantized = _unquantized(source, scales)
     assert not unquantized, unquantized
     if family in MOE:
         assert any(re.search(r"experts\.\d+\.", k) for k in scales)
