@@ -23,6 +23,9 @@ per-expert Linears that recipes target like any other
 `detach(model)` removes every hook and observer (the qparams written stay,
 except those of fused experts: `detach` puts the fused modules back, and
 their per-expert Linears go with their qparams; export before detaching).
+
+(Over 500 lines: target resolution, the checks of what a recipe reaches and
+the hooks are the one attach step; issue 23's lifecycle splits it.)
 """
 
 from __future__ import annotations

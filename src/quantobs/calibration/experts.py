@@ -64,6 +64,9 @@ part of what compressed-tensors stores (`reload_caveats`):
 inference engine that reads per-expert keys, as for llm-compressor's
 checkpoints, expects) and warns with `ExpertsReloadWarning` naming each
 caveat that applies.
+
+(Over 500 lines: one layout change, the calibration module, its routing,
+the swap in and out and the export copy's view of it belong together.)
 """
 
 from __future__ import annotations
