@@ -12,6 +12,9 @@ The public methods are llm-compressor's current `Observer` API:
 `get_global_min_max(observed_flat)`, `get_global_scale(observed)`; and the
 engine's own: `update`, `get_range`, `get_qparams`, `reset`, `merge`,
 `state_dict`.
+
+(A little over 500 lines: llm-compressor's observer API, the counts and
+the observed dtype's arithmetic are one class's contract.)
 """
 
 from __future__ import annotations

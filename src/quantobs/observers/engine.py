@@ -39,6 +39,9 @@ the statistic into a range (its solver) and the range into qparams (its
 rule). Hooks let a face keep its peer's state-dict layout (`buffer_names`,
 `_write_state`, `_read_state`) and exception types (`_shape_error`,
 `_nonfinite_error`).
+
+(Over 500 lines: one base class; the deferred NaN policy (issue 24) is part
+of observing a batch and has no other caller.)
 """
 
 from __future__ import annotations
