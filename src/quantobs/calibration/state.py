@@ -19,17 +19,26 @@ place: never half-written.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from quantobs.calibration.attach import Attachment, attachment_of
+from quantobs.calibration.attach import Attachment, Entry, attachment_of
 
-__all__ = ["FORMAT_VERSION", "load_state", "save_state"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SavedState",
+    "apply_state",
+    "load_state",
+    "read_state",
+    "save_state",
+]
 
 #: Version of the state file layout.
 FORMAT_VERSION = 1
@@ -91,6 +100,16 @@ def save_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
     return target
 
 
+@dataclass
+class SavedState:
+    """A state file read and checked by `read_state`, not yet applied."""
+
+    path: Path
+    recipe: str
+    entries: dict[str, Any]
+    tensors: dict[str, dict[str, torch.Tensor]]
+
+
 def load_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
     """Restore what `save_state` wrote into a model with the same recipe.
 
@@ -98,52 +117,138 @@ def load_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
         RuntimeError: no observers attached.
         FileNotFoundError: no such file.
         ValueError: not a quantobs state file, another format version, a
-            different recipe, or observers that differ.
+            NaN statistic, a different recipe, or observers (names or
+            statistic shapes) that differ.
     """
-    attachment = attachment_of(model)
+    apply_state(model, read_state(path))
+
+
+def read_state(path: str | os.PathLike[str]) -> SavedState:
+    """Read and check a state file without a model: readable, well-formed
+    header, tensors named by its observers, no NaN statistic.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: what is wrong with the file.
+    """
     target = Path(path)
     if not target.is_file():
         raise FileNotFoundError(f"no calibration state file at {target}")
-    st = _safetensors()
     try:
-        with st.safe_open(str(target), framework="pt") as handle:
+        with _safetensors().safe_open(str(target), framework="pt") as handle:
             header = handle.metadata() or {}
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
     except Exception as err:
         raise ValueError(f"{target} is not a readable safetensors file: {err}") from err
+    entries = _entries(target, header)
+    return SavedState(
+        target, header["recipe"], entries, _grouped(target, entries, tensors)
+    )
+
+
+def _entries(target: Path, header: dict[str, str]) -> dict[str, Any]:
+    """The header's per-observer entries, checked for their fields."""
     if header.get("format") != str(FORMAT_VERSION) or "recipe" not in header:
         raise ValueError(
             f"{target} is not a quantobs calibration state (format "
             f"{FORMAT_VERSION}); write it with quantobs.calibration.save_state"
         )
-    if header["recipe"] != attachment.recipe.to_json():
+    try:
+        entries = json.loads(header.get("entries", ""))
+        for saved in entries.values():
+            int(saved["tokens"])
+            _ = saved["extra"]
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise ValueError(
-            f"{target} was saved under another recipe; attach the same recipe "
-            f"before load_state. Saved: {header['recipe']}"
-        )
-    entries = json.loads(header["entries"])
-    by_key = attachment.by_key()
-    if set(entries) != set(by_key):
-        missing = sorted(set(by_key) - set(entries))[:5]
-        extra = sorted(set(entries) - set(by_key))[:5]
-        raise ValueError(
-            f"{target} holds other observers than the model: missing {missing}, "
-            f"unknown {extra} (a different model?)"
-        )
+            f"{target} has a malformed header ({err!r}); save the state again"
+        ) from None
+    if not isinstance(entries, dict):
+        raise ValueError(f"{target} has a malformed header; save the state again")
+    return entries
+
+
+def _grouped(
+    target: Path, entries: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors by observer key, each checked to hold no NaN."""
     grouped: dict[str, dict[str, torch.Tensor]] = {key: {} for key in entries}
     for name, value in tensors.items():
         key, _, buffer = name.rpartition("/")
         if key not in grouped:
             raise ValueError(f"{target}: tensor {name!r} belongs to no observer")
+        if value.is_floating_point() and bool(value.isnan().any()):
+            raise ValueError(
+                f"{target}: tensor {name!r} holds NaN (a corrupt or diverged "
+                "state); calibrate again without --resume"
+            )
         grouped[key][buffer] = value
-    for key, saved in entries.items():
+    return grouped
+
+
+def apply_state(model: torch.nn.Module, saved: SavedState) -> None:
+    """Load a `read_state` result into a model with the same recipe attached,
+    checking the observers' names and statistic shapes against the model.
+
+    Raises:
+        RuntimeError: no observers attached.
+        ValueError: a different recipe, observers or statistic shapes.
+    """
+    attachment = attachment_of(model)
+    target = saved.path
+    if saved.recipe != attachment.recipe.to_json():
+        raise ValueError(
+            f"{target} was saved under another recipe; attach the same recipe "
+            f"before load_state. Saved: {saved.recipe}"
+        )
+    by_key = attachment.by_key()
+    if set(saved.entries) != set(by_key):
+        missing = sorted(set(by_key) - set(saved.entries))[:5]
+        extra = sorted(set(saved.entries) - set(by_key))[:5]
+        raise ValueError(
+            f"{target} holds other observers than the model: missing {missing}, "
+            f"unknown {extra} (a different model?)"
+        )
+    for key, entry_saved in saved.entries.items():
         entry = by_key[key]
-        state: dict[str, Any] = dict(grouped[key])
-        if saved["extra"] is not None:
-            state[_EXTRA] = saved["extra"]
-        entry.observer.load_state_dict(state)
-        entry.tokens = int(saved["tokens"])
+        state: dict[str, Any] = dict(saved.tensors[key])
+        if entry_saved["extra"] is not None:
+            state[_EXTRA] = entry_saved["extra"]
+        try:
+            entry.observer.load_state_dict(state)
+        except (RuntimeError, KeyError, TypeError) as err:
+            raise ValueError(f"{target}: observer {key!r} cannot load: {err}") from None
+        _check_shape(target, entry)
+        entry.tokens = int(entry_saved["tokens"])
     _keep_on_first_process(attachment)
+
+
+def _probe(entry: Entry) -> torch.Tensor | None:
+    """A tensor shaped as the entry's observer sees it (None: unknown)."""
+    if entry.base_name == "weight":
+        return entry.weight
+    weight = getattr(entry.module, "weight", None)
+    if entry.base_name == "input" and isinstance(weight, torch.Tensor):
+        return torch.zeros(1, entry.weight.shape[-1], dtype=torch.float32)
+    return None
+
+
+def _check_shape(target: Path, entry: Entry) -> None:
+    """The loaded statistic's qparam shape is the one the entry's tensor gives."""
+    loaded = entry.observer.statistic()
+    sample = _probe(entry)
+    if loaded is None or sample is None:
+        return
+    probe = copy.deepcopy(entry.observer)
+    probe.reset()
+    with torch.no_grad():
+        probe.update(sample.detach())
+    expected = probe.statistic()
+    if expected is not None and expected.qparam_shape != loaded.qparam_shape:
+        raise ValueError(
+            f"{target}: observer {entry.key!r} holds statistics of shape "
+            f"{tuple(loaded.qparam_shape)}, the model's gives "
+            f"{tuple(expected.qparam_shape)} (a different model?)"
+        )
 
 
 def _keep_on_first_process(attachment: Attachment) -> None:

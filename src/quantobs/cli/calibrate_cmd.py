@@ -236,13 +236,10 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     from quantobs.calibration import (
         attach,
         calibrate,
-        load_state,
-        save_compressed,
-        save_state,
         text_batches,
     )
     from quantobs.data import calibration_texts, heldout_texts
-    from quantobs.report.evaluate import HeldOut, evaluate
+    from quantobs.report.evaluate import evaluate
 
     scheme = scheme_name(options.scheme)
     directory = model_dir(options.model)
@@ -255,25 +252,12 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     out: Path = options.out
     _check_out(out)
     _check_format(options, scheme)
+    saved = None if options.resume is None else _read_resume(options.resume)
     model, tokenizer = load_model(directory)
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
     ignore = default_ignore(model) if options.ignore is None else options.ignore
-    try:
-        held_out = HeldOut.of(
-            model,
-            text_batches(
-                tokenizer,
-                held_out_texts,
-                batch_size=options.batch_size,
-                max_length=options.max_length,
-            ),
-        )
-    except ValueError as error:
-        raise UsageError(f"--heldout: {error}") from None
-    except (IndexError, RuntimeError, TypeError) as error:
-        raise model_failure(error, "held-out") from None
     try:
         attach(model, _recipe(options, scheme, list(ignore)))
     except (KeyError, ValueError, TypeError) as error:
@@ -283,11 +267,9 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     check_tied_head(model)
     if options.kv_cache_scheme is not None:
         check_attached(model, options.kv_cache_scheme)
-    if options.resume is not None:
-        try:
-            load_state(model, options.resume)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot resume from {options.resume}: {error}") from None
+    if saved is not None:
+        _apply_resume(model, saved, options.resume)
+    held_out = _held_out(model, tokenizer, held_out_texts, options)
     batches = text_batches(
         tokenizer,
         calibration,
@@ -312,24 +294,137 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
         )
     except RuntimeError as error:
         raise UsageError(f"calibration failed: {error}") from None
+    except ValueError as error:
+        if options.resume is None:
+            raise
+        raise UsageError(
+            f"calibration resumed from --resume {options.resume} failed: {error}; "
+            "calibrate again without --resume"
+        ) from None
     if group is not None:
         # compressed-tensors compresses in parallel over an initialized
         # process group: closed first, process 0 writes the whole checkpoint
         group.close()
     if rank != 0:
         return
-    try:
-        if options.save_state is not None:
-            save_state(model, options.save_state)
-        with _experts_warnings():
-            path = save_compressed(model, out, source_dir=directory)
-    except (OSError, ValueError) as error:
-        raise UsageError(str(error)) from None
+    if options.save_state is not None:
+        _write_state(model, options.save_state)
+    path = _write_checkpoint(model, out, directory, options.save_state)
     print(report)
     print(evaluate(model, held_out).summary())
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
+
+
+def _read_resume(path: Path) -> Any:
+    """The `--resume` file read and checked before the model loads."""
+    from quantobs.calibration.state import read_state
+
+    try:
+        return read_state(path)
+    except FileNotFoundError:
+        raise UsageError(
+            f"cannot resume from {path}: no such file; give the file --save-state wrote"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise UsageError(
+            f"cannot resume from {path}: {_one_line(error)}; give a state file "
+            "--save-state wrote for this model, or calibrate without --resume"
+        ) from None
+
+
+def _apply_resume(model: Any, saved: Any, path: Path) -> None:
+    """Load the checked `--resume` state into the attached observers."""
+    from quantobs.calibration.state import apply_state
+
+    try:
+        apply_state(model, saved)
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(
+            f"cannot resume from {path}: {_one_line(error)}; give a state file "
+            "--save-state wrote for this model and options"
+        ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(error).split())
+
+
+def _held_out(
+    model: Any, tokenizer: Any, held_out_texts: list[str], options: Any
+) -> Any:
+    """The held-out reference of the unquantized model (observers off)."""
+    from quantobs.calibration import text_batches
+    from quantobs.calibration.attach import attachment_of
+    from quantobs.report.evaluate import HeldOut
+
+    entries = attachment_of(model).entries
+    before = [entry.enabled for entry in entries]
+    for entry in entries:
+        entry.enabled = False
+    try:
+        return HeldOut.of(
+            model,
+            text_batches(
+                tokenizer,
+                held_out_texts,
+                batch_size=options.batch_size,
+                max_length=options.max_length,
+            ),
+        )
+    except ValueError as error:
+        raise UsageError(f"--heldout: {error}") from None
+    except (IndexError, RuntimeError, TypeError) as error:
+        raise model_failure(error, "held-out") from None
+    finally:
+        for entry, enabled in zip(entries, before, strict=True):
+            entry.enabled = enabled
+
+
+def _write_failure(error: BaseException) -> str:
+    """Why a write failed, on one line (an OSError's reason, or
+    safetensors' message)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return _one_line(error)
+
+
+def _write_state(model: Any, path: Path) -> None:
+    """`--save-state`: a failed write (full disk, no permission) is one line."""
+    from safetensors import SafetensorError
+
+    from quantobs.calibration import save_state
+
+    try:
+        save_state(model, path)
+    except (OSError, SafetensorError) as error:
+        raise UsageError(
+            f"cannot write --save-state {path}: {_write_failure(error)}; free "
+            "space there or choose another path"
+        ) from None
+
+
+def _write_checkpoint(
+    model: Any, out: Path, directory: Path, state: Path | None
+) -> Path:
+    """`--out`: a failed write (full disk, no permission) is one line."""
+    from safetensors import SafetensorError
+
+    from quantobs.calibration import save_compressed
+
+    try:
+        with _experts_warnings():
+            return save_compressed(model, out, source_dir=directory)
+    except ValueError as error:
+        raise UsageError(_one_line(error)) from None
+    except (OSError, SafetensorError) as error:
+        kept = "" if state is None else f" (the state is saved in {state})"
+        raise UsageError(
+            f"cannot write the checkpoint --out {out}: {_write_failure(error)}; "
+            f"free space there or choose another --out{kept}"
+        ) from None
 
 
 def _refuse_transposed(model: Any, directory: Path) -> None:

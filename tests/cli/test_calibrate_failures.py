@@ -1,0 +1,194 @@
+"""`quantobs calibrate`'s failures on a bad `--resume` state or a failing
+write: exit 2, one line naming the file, nothing written. On a tiny Llama."""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from quantobs.cli import EXIT_OK, EXIT_USAGE, main
+from tests.decoders import save_decoder
+
+TEXTS = [
+    "The cat slept on the warm windowsill all afternoon.",
+    "Interest rates rose by half a point in March.",
+    "Whisk two eggs with a pinch of salt.",
+    "Is it going to rain in Oslo on Saturday?",
+    "The river froze early that winter.",
+]
+WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+@dataclass
+class Setup:
+    model: Path
+    data: Path
+    state: Path
+
+    def argv(self, out: Path, *extra: str) -> list[str]:
+        """The arguments of a small FP8 run writing `out`."""
+        return [
+            "calibrate", "--model", str(self.model), "--scheme", "FP8",
+            "--data", str(self.data), "--heldout", str(self.data),
+            "--batch-size", "4", "--max-length", "32", "--no-progress",
+            "--out", str(out), *extra,
+        ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    root = tmp_path_factory.mktemp("failures")
+    model = save_decoder("llama", root / "llama")
+    data = root / "data.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    made = Setup(model, data, root / "state.safetensors")
+    code = main(made.argv(root / "first", "--save-state", str(made.state)))
+    assert code == EXIT_OK
+    return made
+
+
+def _rewrite(source: Path, target: Path, **changes: torch.Tensor) -> Path:
+    """`source`'s state with some tensors replaced, written to `target`."""
+    with safe_open(str(source), framework="pt") as handle:
+        header = handle.metadata()
+    tensors = {**load_file(source), **changes}
+    save_file(tensors, str(target), metadata=header)
+    return target
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *names: object) -> None:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("quantobs: error: "), err
+    for name in names:
+        assert str(name) in lines[0], (name, err)
+
+
+# ------------------------------------------------------------------ --resume
+
+
+def test_a_nan_range_is_refused_before_the_model_loads(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = f"{WEIGHT}/max_vals"
+    value = load_file(setup.state)[key].clone()
+    value.view(-1)[0] = float("nan")
+    bad = _rewrite(setup.state, tmp_path / "nan.safetensors", **{key: value})
+
+    def no_load(directory: Path) -> None:
+        raise AssertionError("the model was loaded before the state was checked")
+
+    monkeypatch.setattr("quantobs.cli.calibrate_cmd.load_model", no_load)
+    capsys.readouterr()
+    assert main(setup.argv(tmp_path / "out", "--resume", str(bad))) == EXIT_USAGE
+    _one_line_error(capsys, bad, "NaN", "without --resume")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_file_is_refused_before_the_model_loads(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(setup.state.read_bytes()[:200])
+
+    def no_load(directory: Path) -> None:
+        raise AssertionError("the model was loaded before the state was checked")
+
+    monkeypatch.setattr("quantobs.cli.calibrate_cmd.load_model", no_load)
+    capsys.readouterr()
+    assert main(setup.argv(tmp_path / "out", "--resume", str(bad))) == EXIT_USAGE
+    _one_line_error(capsys, bad, "--save-state")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_wrong_shape_is_refused_before_the_held_out_set_runs(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    changes = {f"{WEIGHT}/{n}": torch.zeros(7, 1) for n in ("min_vals", "max_vals")}
+    bad = _rewrite(setup.state, tmp_path / "shape.safetensors", **changes)
+
+    def no_held_out(*args: object) -> None:
+        raise AssertionError("the held-out set ran before the state was checked")
+
+    monkeypatch.setattr("quantobs.report.evaluate.HeldOut.of", no_held_out)
+    capsys.readouterr()
+    code = main(
+        setup.argv(tmp_path / "out", "--resume", str(bad), "--save-state",
+                   str(tmp_path / "new.safetensors"))
+    )  # fmt: skip
+    assert code == EXIT_USAGE
+    _one_line_error(capsys, bad, WEIGHT, "(7, 1)")
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == [bad]
+
+
+def test_a_good_state_still_resumes(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(setup.argv(tmp_path / "out", "--resume", str(setup.state)))
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ writes
+
+FULL = [
+    safetensors.SafetensorError("No space left on device"),
+    OSError(errno.ENOSPC, "No space left on device"),
+]
+
+
+@pytest.mark.parametrize("failure", FULL, ids=["SafetensorError", "ENOSPC"])
+def test_a_failed_state_write_is_one_line_naming_the_file(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    state = tmp_path / "state.safetensors"
+    capsys.readouterr()
+    code = main(setup.argv(tmp_path / "out", "--save-state", str(state)))
+    assert code == EXIT_USAGE
+    _one_line_error(capsys, f"--save-state {state}", "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", FULL, ids=["SafetensorError", "ENOSPC"])
+def test_a_failed_checkpoint_write_is_one_line_naming_the_directory(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr("quantobs.calibration.export._write", full)
+    out = tmp_path / "nested" / "out"
+    capsys.readouterr()
+    assert main(setup.argv(out)) == EXIT_USAGE
+    _one_line_error(capsys, f"--out {out}", "No space left on device")
+    assert list(tmp_path.iterdir()) == []
