@@ -36,8 +36,9 @@ asymmetric weights, static input scales), `save_compressed` warns with
 `ExpertsReloadWarning` and says why.
 
 Nothing half-written is left behind: the checkpoint is written into a hidden
-temporary directory beside `out_dir`, which is renamed into place once
-complete and removed on any failure.
+temporary directory beside `out_dir` (`.NAME.partial-<pid>-*`), which is
+renamed into place once complete and removed on any failure; those a killed
+process left are removed by the next save to the same `out_dir`.
 
 The copy holds a second set of the model's weights while it is written (on
 the model's device). Under `torch.distributed`, call it on one process. It
@@ -60,6 +61,7 @@ from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
+from quantobs.calibration.tempfiles import remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
@@ -266,7 +268,8 @@ def _temp_dir(out: Path) -> tuple[Path, list[Path]]:
     try:
         created = _make_parents(out.parent)
         # not mkdtemp: its mode 0o700 would stay the checkpoint's
-        temp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
+        remove_stale(out, "partial")
+        temp = temp_path(out, "partial")
         temp.mkdir()
     except OSError as err:
         _remove_empty(created)

@@ -13,8 +13,9 @@ observer whose statistic merges exactly. Under `torch.distributed`, save on
 process 0 after a synced `calibrate` (it holds the combined statistics) and
 load on every process (the others keep only the shared settings, such as
 `static_mse`'s reference), then go on with `calibrate(..., sync=True)`.
-The file is written to a temporary name beside `path` and renamed into
-place: never half-written.
+The file is written to a temporary name beside `path` (`.NAME.state-<pid>-*.tmp`)
+and renamed into place: never half-written; the temporary files of killed
+writers are removed by the next save to the same path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry, attachment_of
+from quantobs.calibration.tempfiles import remove_stale, temp_path
 
 __all__ = [
     "FORMAT_VERSION",
@@ -87,10 +88,9 @@ def save_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
         "entries": json.dumps(entries, sort_keys=True),
     }
     target = Path(path)
-    handle, temp = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or "."
-    )
-    os.close(handle)
+    remove_stale(target, "state", ".tmp")
+    temp = temp_path(target, "state", ".tmp")
+    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     try:
         _safetensors().save_file(tensors, temp, metadata=header)
         os.replace(temp, target)
