@@ -279,12 +279,13 @@ def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_torchrun_with_two_processes_writes_the_one_process_checkpoint(
     tmp_path: Path, data_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two gloo processes, each with half the batches, then process 0 alone
+    """Two gloo processes, each batching half the texts (4 texts, one batch
+    of 4: fewer batches than processes is fine), then process 0 alone
     writes: the checkpoint equals a single process's, tensor for tensor."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    common = ["--scheme", "FP8", "--data", str(data_file), "--batch-size", "1"]
+    common = ["--scheme", "FP8", "--data", str(data_file), "--batch-size", "4"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -63,9 +63,16 @@ def _rewrite(source: Path, target: Path, **changes: torch.Tensor) -> Path:
     return target
 
 
-def _one_line_error(capsys: pytest.CaptureFixture[str], *names: object) -> None:
+def _one_line_error(
+    capsys: pytest.CaptureFixture[str], *names: object, bars: bool = False
+) -> None:
+    """stderr is one error line naming `names` (after compressed-tensors'
+    progress bars where `bars`)."""
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
+    if bars:
+        assert all("Traceback" not in line for line in lines), err
+        lines = lines[-1:]
     assert len(lines) == 1, err
     assert lines[0].startswith("quantobs: error: "), err
     for name in names:
@@ -192,3 +199,36 @@ def test_a_failed_checkpoint_write_is_one_line_naming_the_directory(
     assert main(setup.argv(out)) == EXIT_USAGE
     _one_line_error(capsys, f"--out {out}", "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------- --distributed
+
+
+class _Group:
+    """A stand-in for the torchrun process group: rank 0 of `world`."""
+
+    def __init__(self, world: int) -> None:
+        self.rank, self.world, self.device, self.started = 0, world, None, False
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def test_fewer_texts_than_processes_is_refused_before_the_model_loads(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        "quantobs.cli.calibrate_cmd._Distributed", lambda: _Group(len(TEXTS) + 1)
+    )
+
+    def no_load(directory: Path) -> None:
+        raise AssertionError("the model was loaded before the texts were counted")
+
+    monkeypatch.setattr("quantobs.cli.calibrate_cmd.load_model", no_load)
+    capsys.readouterr()
+    assert main([*setup.argv(tmp_path / "out"), "--distributed"]) == EXIT_USAGE
+    _one_line_error(capsys, f"{len(TEXTS)} calibration text(s) for 6 processes")
+    assert not (tmp_path / "out").exists()

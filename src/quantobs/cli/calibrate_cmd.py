@@ -21,7 +21,7 @@ saves the state, writes the checkpoint with `save_compressed` and prints the
 report, the held-out metrics of the quantized model against the unquantized
 one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
 the checkpoint's path. With `--distributed` (under `torchrun`),
-each process calibrates its contiguous share of the batches and the
+each process batches and calibrates its contiguous share of the texts and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
 """
 
@@ -136,7 +136,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--distributed",
         action="store_true",
-        help="under torchrun: each process calibrates its share of the batches, "
+        help="under torchrun: each process calibrates its share of the texts, "
         "statistics are synced (gloo on CPU, NCCL on CUDA), process 0 writes",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -252,6 +252,8 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     out: Path = options.out
     _check_out(out)
     _check_format(options, scheme)
+    if group is not None:
+        calibration = _my_texts(calibration, group.rank, group.world)
     saved = None if options.resume is None else _read_resume(options.resume)
     model, tokenizer = load_model(directory)
     _refuse_transposed(model, directory)
@@ -276,15 +278,7 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
         batch_size=options.batch_size,
         max_length=options.max_length,
     )
-    rank = 0
-    if group is not None:
-        rank = group.rank
-        if len(batches) < group.world:
-            raise UsageError(
-                f"{len(batches)} batches for {group.world} processes: every "
-                "process needs at least one (more texts or a smaller --batch-size)"
-            )
-        batches = [batches[i] for i in shard(len(batches), rank, group.world)]
+    rank = 0 if group is None else group.rank
     try:
         report = calibrate(
             model,
@@ -315,6 +309,19 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
+
+
+def _my_texts(calibration: list[str], rank: int, world: int) -> list[str]:
+    """The contiguous share of the calibration texts of process `rank` (each
+    process batches its own share; the masks make the batching irrelevant
+    to the statistics)."""
+    if len(calibration) < world:
+        raise UsageError(
+            f"{len(calibration)} calibration text(s) for {world} processes: "
+            "every process needs at least one (more texts in --data or fewer "
+            "processes)"
+        )
+    return [calibration[i] for i in shard(len(calibration), rank, world)]
 
 
 def _read_resume(path: Path) -> Any:
