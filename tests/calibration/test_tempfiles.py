@@ -12,7 +12,13 @@ import pytest
 
 from quantobs.calibration import Recipe, attach, calibrate, save_compressed
 from quantobs.calibration.state import save_state
-from quantobs.calibration.tempfiles import pid_alive, remove_stale, temp_path
+from quantobs.calibration.tempfiles import (
+    DestinationBusy,
+    exclusive,
+    pid_alive,
+    remove_stale,
+    temp_path,
+)
 from tests.calibration.conftest import tiny_llama, token_batches
 
 
@@ -73,3 +79,39 @@ def test_save_compressed_removes_stale_partial_directories(
     save_compressed(_calibrated(), out)  # type: ignore[arg-type]
     assert sorted(tmp_path.iterdir()) == sorted([live, out])
     assert (out / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ the lock
+
+
+def test_the_lock_holds_the_pid_and_goes_away(tmp_path: Path) -> None:
+    with exclusive(tmp_path / "out") as lock:
+        assert lock == tmp_path / ".out.lock"
+        assert lock.read_text(encoding="ascii") == str(os.getpid())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_holder_refuses_the_checkpoint(tmp_path: Path) -> None:
+    lock = tmp_path / ".ckpt.lock"
+    lock.write_text(str(os.getppid()), encoding="ascii")
+    with pytest.raises(DestinationBusy, match=f"process {os.getppid()}"):
+        save_compressed(_calibrated(), tmp_path / "ckpt")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == [lock]
+
+
+@pytest.mark.parametrize("content", ["", "garbage"])
+def test_an_unreadable_lock_counts_as_held(tmp_path: Path, content: str) -> None:
+    lock = tmp_path / ".out.lock"
+    lock.write_text(content, encoding="ascii")
+    with (
+        pytest.raises(DestinationBusy, match="an unknown process"),
+        exclusive(tmp_path / "out"),
+    ):
+        pass  # pragma: no cover - not reached
+    assert lock.exists()
+
+
+def test_a_dead_holders_lock_is_removed(tmp_path: Path, dead_pid: int) -> None:
+    (tmp_path / ".ckpt.lock").write_text(str(dead_pid), encoding="ascii")
+    out = save_compressed(_calibrated(), tmp_path / "ckpt")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == [out]

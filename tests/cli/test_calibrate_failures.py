@@ -4,6 +4,7 @@ write: exit 2, one line naming the file, nothing written. On a tiny Llama."""
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,3 +233,35 @@ def test_fewer_texts_than_processes_is_refused_before_the_model_loads(
     assert main([*setup.argv(tmp_path / "out"), "--distributed"]) == EXIT_USAGE
     _one_line_error(capsys, f"{len(TEXTS)} calibration text(s) for 6 processes")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_locked_by_a_live_process_is_refused(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lock = tmp_path / ".out.lock"
+    lock.write_text(str(os.getppid()), encoding="ascii")
+    capsys.readouterr()
+    assert main(setup.argv(tmp_path / "out")) == EXIT_USAGE
+    out = tmp_path / "out"
+    _one_line_error(capsys, f"--out {out} is being", os.getppid(), bars=True)
+    assert list(tmp_path.iterdir()) == [lock]
+
+
+def test_an_out_written_meanwhile_is_refused_and_kept(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "out"
+
+    def another_writer(*args: object, **kwargs: object) -> None:
+        out.mkdir()
+        (out / "theirs.txt").write_text("x", encoding="utf-8")
+
+    monkeypatch.setattr("quantobs.calibration.export._write", another_writer)
+    capsys.readouterr()
+    assert main(setup.argv(out)) == EXIT_USAGE
+    _one_line_error(capsys, f"--out {out} was written meanwhile")
+    assert list(tmp_path.iterdir()) == [out]
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]

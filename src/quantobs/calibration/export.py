@@ -38,7 +38,9 @@ asymmetric weights, static input scales), `save_compressed` warns with
 Nothing half-written is left behind: the checkpoint is written into a hidden
 temporary directory beside `out_dir` (`.NAME.partial-<pid>-*`), which is
 renamed into place once complete and removed on any failure; those a killed
-process left are removed by the next save to the same `out_dir`.
+process left are removed by the next save to the same `out_dir`. The final
+check-and-rename holds the lock file `.NAME.lock` beside `out_dir`: a second
+writer of the same `out_dir` meanwhile is refused (`DestinationBusy`).
 
 The copy holds a second set of the model's weights while it is written (on
 the model's device). Under `torch.distributed`, call it on one process. It
@@ -61,7 +63,7 @@ from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
-from quantobs.calibration.tempfiles import remove_stale, temp_path
+from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
@@ -429,8 +431,9 @@ def save_compressed(
         _write(model, formats, temp)
         if source is not None:
             _copy_sources(source, temp, out)
-        _check_destination(out, overwrite)  # nothing appeared meanwhile
-        _move_into_place(temp, out)
+        with exclusive(out):
+            _check_destination(out, overwrite)  # nothing appeared meanwhile
+            _move_into_place(temp, out)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         _remove_empty(created)

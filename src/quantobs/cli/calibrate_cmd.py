@@ -420,12 +420,20 @@ def _write_checkpoint(
     from safetensors import SafetensorError
 
     from quantobs.calibration import save_compressed
+    from quantobs.calibration.tempfiles import DestinationBusy
 
     try:
         with _experts_warnings():
             return save_compressed(model, out, source_dir=directory)
     except ValueError as error:
         raise UsageError(_one_line(error)) from None
+    except DestinationBusy as error:
+        raise UsageError(f"--out {error.strerror}") from None
+    except FileExistsError:
+        raise UsageError(
+            f"--out {out} was written meanwhile by another process; choose a "
+            "new directory"
+        ) from None
     except (OSError, SafetensorError) as error:
         kept = "" if state is None else f" (the state is saved in {state})"
         raise UsageError(
