@@ -241,3 +241,43 @@ def test_a_conv1d_model_is_refused_in_one_line(
     lines = [line for line in err.splitlines() if line.startswith("quantobs:")]
     assert len(lines) == 1 and "Conv1D" in lines[0] and "compare" in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("all_experts", [False, True])
+def test_all_experts_feeds_every_token_to_every_expert(
+    all_experts: bool,
+    tmp_path: Path,
+    texts: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FP8 static inputs on Qwen3-MoE: with `--all-experts` every observer
+    (each expert's included) sees every real token; without, an expert sees
+    the tokens routed to it only."""
+    source = save_decoder("qwen3_moe", tmp_path / "source")
+    data, heldout = texts
+    flag = ["--all-experts"] if all_experts else []
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(source),
+            "--scheme",
+            "FP8",
+            *flag,
+            "--data",
+            str(data),
+            "--heldout",
+            str(heldout),
+            "--batch-size",
+            str(BATCH_SIZE),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == EXIT_OK, err
+    found = re.search(r"tokens per observer: min (\d+), max (\d+)", out)
+    assert found is not None, out
+    fewest, most = int(found.group(1)), int(found.group(2))
+    assert (fewest == most) is all_experts, out

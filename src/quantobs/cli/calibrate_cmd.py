@@ -8,7 +8,7 @@ checkpoint.
                        [--batch-size 16] [--max-length 128]
                        [--ignore PATTERN ...] [--kv-cache-scheme FP8|INT8]
                        --out DIR [--resume STATE] [--save-state STATE]
-                       [--distributed] [--no-progress]
+                       [--all-experts] [--distributed] [--no-progress]
 
 Loads the model as the class its `config.json` names and its tokenizer (with
 a pad token where it has none), offline (`quantobs.cli.model_loading`);
@@ -132,6 +132,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="STATE",
         help="save the observers' statistics after calibration (safetensors)",
+    )
+    parser.add_argument(
+        "--all-experts",
+        action="store_true",
+        help="MoE models: feed every calibration token to every expert's "
+        "observers (llm-compressor's moe_calibrate_all_experts), not only the "
+        "tokens routed to it; the model's outputs are unchanged",
     )
     parser.add_argument(
         "--distributed",
@@ -285,6 +292,7 @@ def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
             batches,
             progress=False if options.no_progress else None,
             sync=group is not None,
+            all_experts=options.all_experts,
         )
     except RuntimeError as error:
         raise UsageError(f"calibration failed: {error}") from None
