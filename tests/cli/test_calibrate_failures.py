@@ -222,7 +222,7 @@ def test_fewer_texts_than_processes_is_refused_before_the_model_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        "quantobs.cli.calibrate_cmd._Distributed", lambda: _Group(len(TEXTS) + 1)
+        "quantobs.cli.calibrate_cmd.TorchrunGroup", lambda: _Group(len(TEXTS) + 1)
     )
 
     def no_load(directory: Path) -> None:

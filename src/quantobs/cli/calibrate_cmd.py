@@ -28,7 +28,6 @@ statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -49,12 +48,12 @@ from quantobs.cli.inputs import (
 )
 from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
 from quantobs.cli.model_loading import load_model
+from quantobs.cli.torchrun import TorchrunGroup
 
 __all__ = ["add_parser", "run_calibrate", "shard"]
 
 _EXIT_OK = 0
 _EXIT_USAGE = 2
-_TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -200,46 +199,7 @@ def _check_format(options: argparse.Namespace, scheme: str) -> None:
         ) from None
 
 
-class _Distributed:
-    """The torchrun process group this command started (or found)."""
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
-        self.started = False
-        self.device: Any = None
-        if dist.is_available() and dist.is_initialized():
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            return
-        if missing:
-            raise UsageError(
-                "--distributed needs the environment torchrun sets ("
-                + ", ".join(missing)
-                + " missing); run `torchrun --nproc-per-node N -m quantobs "
-                "calibrate ... --distributed`"
-            )
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            self.device = torch.device("cuda", local)
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", device_id=self.device)
-        else:
-            dist.init_process_group("gloo")
-        self.started = True
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def close(self) -> None:
-        """Destroy the process group if this command started it (idempotent)."""
-        import torch.distributed as dist
-
-        if self.started and dist.is_initialized():
-            dist.destroy_process_group()
-        self.started = False
-
-
-def _calibrate(options: argparse.Namespace, group: _Distributed | None) -> None:
+def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None:
     from quantobs.calibration import (
         attach,
         calibrate,
@@ -487,10 +447,10 @@ def _experts_warnings() -> Iterator[None]:
 
 def run_calibrate(options: argparse.Namespace) -> int:
     """The handler of `quantobs calibrate`; returns the exit code."""
-    group: _Distributed | None = None
+    group: TorchrunGroup | None = None
     try:
         if options.distributed:
-            group = _Distributed()
+            group = TorchrunGroup()
         _calibrate(options, group)
     except UsageError as error:
         print(f"quantobs: error: {error}", file=sys.stderr)
