@@ -71,6 +71,30 @@ def texts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data, heldout
 
 
+def _calibrate(
+    source: Path, scheme: str, out: Path, texts: tuple[Path, Path], *extra: str
+) -> int:
+    """`quantobs calibrate` of `source` under `scheme` into `out` (exit code)."""
+    data, heldout = texts
+    return main(
+        [
+            "calibrate",
+            "--model",
+            str(source),
+            "--scheme",
+            scheme,
+            *extra,
+            "--data",
+            str(data),
+            "--heldout",
+            str(heldout),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+
+
 def _tokenizer(directory: Path) -> Any:
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     tokenizer.pad_token = tokenizer.eos_token  # as the CLI supplies it
@@ -155,27 +179,16 @@ def test_checkpoint_loads_and_equals_the_calibrated_model(
     dtype, extra = SCHEMES[scheme][0], _extra(family, scheme)
     source = save_decoder(family, tmp_path / "source", dtype=dtype)
     out = tmp_path / "out"
-    data, heldout = texts
-    code = main(
-        [
-            "calibrate",
-            "--model",
-            str(source),
-            "--scheme",
-            scheme,
-            *extra,
-            "--data",
-            str(data),
-            "--heldout",
-            str(heldout),
-            "--batch-size",
-            str(BATCH_SIZE),
-            "--max-length",
-            str(MAX_LENGTH),
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
+    code = _calibrate(
+        source,
+        scheme,
+        out,
+        texts,
+        *extra,
+        "--batch-size",
+        str(BATCH_SIZE),
+        "--max-length",
+        str(MAX_LENGTH),
     )
     err = capsys.readouterr().err
     assert code == EXIT_OK, err
@@ -219,23 +232,7 @@ def test_a_conv1d_model_is_refused_in_one_line(
     quantized: calibrate says so in one line and writes nothing."""
     source = save_decoder("gpt2", tmp_path / "gpt2")
     out = tmp_path / "out"
-    data, heldout = texts
-    code = main(
-        [
-            "calibrate",
-            "--model",
-            str(source),
-            "--scheme",
-            "W8A8",
-            "--data",
-            str(data),
-            "--heldout",
-            str(heldout),
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
+    code = _calibrate(source, "W8A8", out, texts)
     err = capsys.readouterr().err
     assert code == EXIT_USAGE
     lines = [line for line in err.splitlines() if line.startswith("quantobs:")]
@@ -254,26 +251,9 @@ def test_all_experts_feeds_every_token_to_every_expert(
     (each expert's included) sees every real token; without, an expert sees
     the tokens routed to it only."""
     source = save_decoder("qwen3_moe", tmp_path / "source")
-    data, heldout = texts
     flag = ["--all-experts"] if all_experts else []
-    code = main(
-        [
-            "calibrate",
-            "--model",
-            str(source),
-            "--scheme",
-            "FP8",
-            *flag,
-            "--data",
-            str(data),
-            "--heldout",
-            str(heldout),
-            "--batch-size",
-            str(BATCH_SIZE),
-            "--out",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ]
+    code = _calibrate(
+        source, "FP8", tmp_path / "out", texts, *flag, "--batch-size", str(BATCH_SIZE)
     )
     out, err = capsys.readouterr()
     assert code == EXIT_OK, err
