@@ -8,7 +8,7 @@ device of its first tensor argument when the native kernels are enabled and
 built; a native implementation may decline a call by returning None (a
 dtype, layout or size it does not handle), and the torch implementation then
 runs. A CUDA tensor always finds a correct path (the torch one), and a GPU
-kernel is one more registration::
+kernel (Triton, `quantobs.native.gpu`) is one more registration::
 
     @kernel
     def channel_minmax(
@@ -17,6 +17,7 @@ kernel is one more registration::
 
 
     channel_minmax.register("cpu", native.minmax)  # returns None to decline
+    channel_minmax.register("cuda", gpu_minmax)  # Triton; None declines too
 
 `kernel.torch(...)` and `kernel.native(device)(...)` call one side directly
 (tests compare the two).
@@ -36,10 +37,17 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _enabled() -> bool:
-    from quantobs import native  # the loader: imported late (it builds lazily)
+def _enabled(device_type: str) -> bool:
+    """Whether the native implementations for `device_type` may run: the C
+    library on the CPU, Triton (`quantobs.native.gpu`) elsewhere; both off
+    under `QUANTOBS_NATIVE=0` / `set_enabled(False)`."""
+    if device_type == "cpu":
+        from quantobs import native  # the loader: imported late (builds lazily)
 
-    return native.available()
+        return native.available()
+    from quantobs.native import gpu
+
+    return gpu.available()
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -75,7 +83,7 @@ class Kernel(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         device = _device_type(args, kwargs)
         impl = self._native.get(device) if device is not None else None
-        if impl is not None and _enabled():
+        if impl is not None and device is not None and _enabled(device):
             found = impl(*args, **kwargs)
             if found is not None:
                 return found

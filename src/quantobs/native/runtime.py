@@ -20,6 +20,7 @@ __all__ = [
     "PARALLEL_MIN",
     "available",
     "backend_info",
+    "enabled",
     "loaded",
     "set_enabled",
     "threads",
@@ -36,6 +37,11 @@ _enabled = os.environ.get("QUANTOBS_NATIVE", "1") != "0"
 def threads(work: int) -> int:
     """Threads for `work` values: torch's count, or one for small work."""
     return torch.get_num_threads() if work >= PARALLEL_MIN else 1
+
+
+def enabled() -> bool:
+    """Whether the native kernels (C and GPU) are switched on."""
+    return _enabled
 
 
 def set_enabled(enabled: bool) -> bool:
