@@ -6,7 +6,6 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs as CTArgs
 from compressed_tensors.quantization import QuantizationStrategy
-from llmcompressor.observers.mse_quant import _grid_search_mse
 from safetensors import safe_open
 
 from quantobs import QuantizationArgs, native
@@ -33,6 +32,14 @@ _MX = {
 
 
 def _theirs(x_flat: torch.Tensor, kwargs: dict[str, object], patience: int = 5):
+    try:  # private; llm-compressor 0.14.1's Triton grid search replaced it
+        from llmcompressor.observers.mse_quant import _grid_search_mse
+    except ImportError:
+        pytest.skip(
+            "this llm-compressor has no observers/mse_quant._grid_search_mse "
+            "(removed after 0.14.0); its public MSE observers are compared in "
+            "tests/observers/test_observers.py"
+        )
     args = CTArgs(**kwargs)
     token = args.model_copy(update={"strategy": QuantizationStrategy.TOKEN})
     return _grid_search_mse(x_flat, args, token, 0.2, patience, 100.0, 2.4, 0.3)
