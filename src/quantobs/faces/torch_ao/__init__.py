@@ -67,6 +67,8 @@ Deliberate differences from torch.ao (each beyond or instead of a torch bug):
 
 from __future__ import annotations
 
+import warnings
+
 from quantobs.core.qparams.torch_rule import torch_qparams, torch_quant_range
 from quantobs.faces.torch_ao.base import (
     ObserverBase,
@@ -170,12 +172,18 @@ _TWINS = (
 def _register_with_torch_ao() -> None:
     """Make `isinstance(ours, torch's twin)` true, so torch's flows (which
     test `isinstance(m, ObserverBase)`, `PlaceholderObserver`, ...) accept
-    quantobs' observers. A no-op once torch.ao is gone."""
+    quantobs' observers. A no-op once torch.ao is gone: the face's classes
+    compute the same qparams without it (they never call torch.ao), only the
+    `isinstance` checks of torch's own flows no longer see them."""
     try:
-        from torch.ao.quantization import observer as torch_observer
-    except ImportError:  # pragma: no cover - a torch without torch.ao
+        with warnings.catch_warnings():  # a deprecation notice is not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.ao.quantization import observer as torch_observer
+
+            register_twins(torch_observer, _TWINS)
+    except Exception:  # removed, or a stub that raises on use: fail soft
         return
-    register_twins(torch_observer, _TWINS)
 
 
 _register_with_torch_ao()
