@@ -94,7 +94,15 @@ def _why_not_cached(module: torch.nn.Module) -> str | None:
             f"{name} has none of the projections compressed-tensors recognizes "
             f"attention by ({', '.join(KV_PROJECTIONS)}; its children: {children})"
         )
-    if not any(arg in _forward_parameters(module) for arg in CACHE_ARGS):
+    parameters = _forward_parameters(module)
+    if not any(arg in parameters for arg in CACHE_ARGS):
+        if "cache" in parameters:  # transformers' newer name for it
+            return (
+                f"{name}.forward takes its kv cache as `cache` (this transformers'"
+                " name for past_key_values), which compressed-tensors does not "
+                "look for: it would write no k_scale / v_scale (a transformers "
+                "whose attention takes past_key_values, e.g. 5.17, calibrates it)"
+            )
         return f"{name}.forward takes no past_key_values (it keeps no kv cache)"
     return None
 
