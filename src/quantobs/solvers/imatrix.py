@@ -36,10 +36,13 @@ from quantobs.core.scoring import (
     error_power,
     search_args,
 )
+from quantobs.native.dispatch import kernel
+from quantobs.solvers import mse_gpu
 from quantobs.stats.reduce import minmax
 
 __all__ = [
     "best_index",
+    "imatrix_choice",
     "imatrix_factors",
     "imatrix_search",
     "normalize_importance",
@@ -193,9 +196,46 @@ def imatrix_search(
         w3 = weights.to(torch.float32).expand(shape).reshape(shape[0], -1, g)
     factors = imatrix_factors(maxshrink, grid).to(x_flat.device)
     scoring = search_args(args)
-    num_c = factors.numel()
-    if patience >= num_c:  # it cannot stop before the last candidate
+    if patience >= factors.numel():  # it cannot stop before the last candidate
         patience = 0
+    index = imatrix_choice(
+        x3, scoring, mins, maxs, factors, norm, patience, w3, chunk_elems
+    )
+    found = factors[index].reshape(qshape)
+    return min_vals * found, max_vals * found
+
+
+@kernel
+def imatrix_choice(
+    x3: torch.Tensor,
+    args: QuantizationArgs,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    norm: float,
+    patience: int,
+    weights: torch.Tensor | None,
+    chunk_elems: int,
+) -> torch.Tensor:
+    """`(Q,)` int64 index of llm-compressor's choice among the candidates
+    (`best_index` of their float32 errors).
+
+    A kernel: on CUDA one Triton pass scores every candidate
+    (`quantobs.solvers.mse_gpu.imatrix_choice`, the same choice).
+
+    Args:
+        x3: `(N, Q, G)` finite values.
+        args: the args candidates are scored with (`search_args`).
+        min_vals: `(Q,)` reference minima; candidates are `factor * min_vals`.
+        max_vals: `(Q,)` reference maxima.
+        factors: `(C,)` float32 shrink factors, in the order of the search.
+        norm: exponent of the absolute error.
+        patience: early stop (0: never; less than `C`).
+        weights: optional `(N | 1, Q, G)` float32 weight of each value.
+        chunk_elems: elements per temporary tensor.
+    """
+    n, g = x3.shape[0], x3.shape[-1]
+    num_c = factors.numel()
     # Blocks of candidates whose (c, Q) errors are at most one copy of the
     # input (and at most `patience`, the blocks llm-compressor's early stop
     # was checked after): all scored, the stop decided on the device.
@@ -203,15 +243,17 @@ def imatrix_search(
     found_errors = []
     for c0 in range(0, num_c, block):
         block_factors = factors[c0 : c0 + block]
-        if w3 is None:
+        if weights is None:
             errors = candidate_errors(
-                x3, scoring, mins, maxs, block_factors, norm, chunk_elems
+                x3, args, min_vals, max_vals, block_factors, norm, chunk_elems
             ).to(torch.float32)
         else:
             errors = weighted_errors(
-                x3, scoring, mins, maxs, block_factors, norm, w3, chunk_elems
-            )
+                x3, args, min_vals, max_vals, block_factors, norm, weights,
+                chunk_elems,
+            )  # fmt: skip
         found_errors.append(errors)
-    index = best_index(torch.cat(found_errors), patience)
-    found = factors[index].reshape(qshape)
-    return min_vals * found, max_vals * found
+    return best_index(torch.cat(found_errors), patience)
+
+
+imatrix_choice.register("cuda", mse_gpu.imatrix_choice)
