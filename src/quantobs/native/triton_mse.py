@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from quantobs.core.formats import NumberFormat
+from quantobs.native import gpu
 
 __all__ = ["candidate_errors", "supported"]
 
@@ -235,16 +236,17 @@ def candidate_errors(
     else:
         split, magic, min_normal = 1.0, 0.0, 1.0
     grid = (triton.cdiv(num_q, block_q), segments)
-    _errors_kernel[grid](
-        x3, x3 if weights is None else weights, scale,
-        scale if zp is None else zp, out,
-        num_q, g, values, num_c, seg_len,
-        *x3.stride(), *w_strides,
-        float(fmt.min), float(fmt.max), split, magic, min_normal, float(norm),
-        HAS_ZP=zp is not None, HAS_W=weights is not None, IS_FLOAT=fmt.is_float,
-        NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile,
-        BLOCK_Q=block_q, BLOCK_E=block_e, enable_fp_fusion=False,
-    )  # fmt: skip
+    with gpu.interpreter_quiet():
+        _errors_kernel[grid](
+            x3, x3 if weights is None else weights, scale,
+            scale if zp is None else zp, out,
+            num_q, g, values, num_c, seg_len,
+            *x3.stride(), *w_strides,
+            float(fmt.min), float(fmt.max), split, magic, min_normal, float(norm),
+            HAS_ZP=zp is not None, HAS_W=weights is not None, IS_FLOAT=fmt.is_float,
+            NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile,
+            BLOCK_Q=block_q, BLOCK_E=block_e, enable_fp_fusion=False,
+        )  # fmt: skip
     if segments == 1:
         return out[0]
     return out.sum(dim=0)  # segments in a fixed order: deterministic
