@@ -1,3 +1,4 @@
+# mypy: allow-untyped-defs, allow-incomplete-defs
 """Triton kernel: per-qparam min and max in one pass over the data.
 
 `minmax3(x3)` is the GPU twin of `quantobs.stats.reduce._minmax3`: `(N, Q,
@@ -6,7 +7,8 @@ once (torch's `amin` and `amax` read the data twice). Min and max are exact,
 so the results are torch's bit for bit; NaN propagates as in torch (a qparam
 holding a NaN gets NaN for both). The absmax over every qparam is left to
 `absmax_or_zero` on these small results (a host float here would be a host
-read). Importing this module imports Triton: callers import it lazily.
+read). The kernels are untyped (Triton types their arguments at launch:
+mypy allows it here). Importing this module imports Triton: callers import it lazily.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from quantobs.native import gpu
+
 __all__ = ["minmax3"]
 
 _TILE = 4096  # values per program tile

@@ -1,3 +1,4 @@
+# mypy: allow-untyped-defs, allow-incomplete-defs
 """Triton kernel: the error of every MSE candidate, per qparam, in one pass.
 
 `candidate_errors(x3, scale, zero_point, fmt, norm, weights)` is the GPU twin
@@ -250,4 +251,3 @@ def candidate_errors(
     if segments == 1:
         return out[0]
     return out.sum(dim=0)  # segments in a fixed order: deterministic
-

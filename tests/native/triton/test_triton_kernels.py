@@ -275,7 +275,9 @@ def test_imatrix_choice_is_torchs(
 def test_near_ties_are_rescored() -> None:
     # Qparam 1's second candidate is within the tolerance of its first: only
     # that qparam is scored again, and keeps the re-scored errors.
-    errors = torch.tensor([[4.0, 4.0, 9.0], [3.0, 4.0 + 1e-9, 8.0]], dtype=torch.float64)
+    errors = torch.tensor(
+        [[4.0, 4.0, 9.0], [3.0, 4.0 + 1e-9, 8.0]], dtype=torch.float64
+    )
     repeats = torch.zeros(1, 3, dtype=torch.bool)
     asked = []
 
