@@ -10,7 +10,7 @@ per qparam on chip; only the `(C, Q)` sums (or `(S, C, Q)` partial sums of
 `S` segments, added in a fixed order) reach memory. Importing this module
 imports Triton: callers import it lazily (`quantobs.native.gpu.available`).
 
-Which operations are exact (the same bits as `fake_quant_values` in torch):
+Which operations are exact (`exact=True`: torch's bits per value):
 
 * the value's conversion to float32 (bf16, fp16: exact), `x / scale` by
   `div_rn` (IEEE division, correctly rounded; Triton's `/` is approximate),
@@ -19,15 +19,20 @@ Which operations are exact (the same bits as `fake_quant_values` in torch):
   no multiply and add are contracted into one FMA (torch rounds each);
 * the rounding: ints by `(v + 1.5 * 2**23) - 1.5 * 2**23` (half to even for
   `|v| < 2**22`: ints of at most 16 bits), float formats by the Veltkamp
-  split of `NumberFormat._round_float32` (same operations, same order).
+  split of `NumberFormat._round_float32` (same operations, same order);
+* the sums: each value's error in float64, tiles and segments in order.
 
 What is not torch's: `|e| ** norm` (`exp2(norm * log2 |e|)`, times `e * e`
 for norm 2.4; `e * e` and `e * e * e` exactly for 2 and 3) is within a few
-float32 ulps of torch's `pow`, and the sums are float64 (each tile's values
-by a tree, tiles and segments in order), not torch's float32 sums in its own
-order. So the errors are torch's to about 1e-6 relative, deterministic, and
-the same on every run; `quantobs.solvers.mse_gpu` re-scores the qparams
-whose candidates are that close with torch, so the choice is torch's.
+float32 ulps of torch's `pow`, and the sums are not torch's float32 sums in
+its order. The searches run `exact=False`, 2-3 times faster: `x * (1 /
+scale)` (within 1.5 ulp of `x / scale`: a value's level changes only within
+an ulp of a rounding midpoint, where both levels' errors are equal to an
+ulp) and float32 tree sums of each tile's at most 1024 values (relative
+error at most 10 * 2**-24). Either way the errors are torch's to about 1e-6
+relative, deterministic, the same on every run; `quantobs.solvers.mse_gpu`
+re-scores the qparams whose candidates are that close with torch, so the
+choice is torch's.
 """
 
 from __future__ import annotations
@@ -70,11 +75,15 @@ def _error_power(a, norm, NORM_KIND: tl.constexpr):
 
 
 @triton.jit
-def _error(x, s, zp, w, qmin, qmax, split, magic, min_normal, norm,
+def _error(x, s, inv, zp, w, qmin, qmax, split, magic, min_normal, norm,
            HAS_ZP: tl.constexpr, HAS_W: tl.constexpr, IS_FLOAT: tl.constexpr,
-           NORM_KIND: tl.constexpr):  # fmt: skip
-    """`w * |fake_quant(x) - x| ** norm` in float32, element by element."""
-    v = tl.math.div_rn(x, s)
+           NORM_KIND: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """`w * |fake_quant(x) - x| ** norm` in float32, element by element
+    (`x / s` exactly, or `x * inv` with `inv = 1 / s`)."""
+    if EXACT:  # noqa: SIM108 (Triton: a constexpr branch)
+        v = tl.math.div_rn(x, s)
+    else:
+        v = x * inv
     if HAS_ZP:
         v = v + zp
     v = tl.minimum(tl.maximum(v, qmin), qmax)
@@ -97,6 +106,16 @@ def _error(x, s, zp, w, qmin, qmax, split, magic, min_normal, norm,
 
 
 @triton.jit
+def _row_sums(err, EXACT: tl.constexpr):
+    """`(BQ, BE)` float32 errors -> `(BQ,)` float64 sums: of float64 values,
+    or (fast) a float32 tree, rounded to float64."""
+    if EXACT:
+        return tl.sum(err.to(tl.float64), axis=1)
+    else:
+        return tl.sum(err, axis=1).to(tl.float64)
+
+
+@triton.jit
 def _errors_kernel(
     x_ptr, w_ptr, scale_ptr, zp_ptr, out_ptr,
     Q, G, E, C, seg_len,
@@ -104,7 +123,7 @@ def _errors_kernel(
     qmin, qmax, split, magic, min_normal, norm,
     HAS_ZP: tl.constexpr, HAS_W: tl.constexpr, IS_FLOAT: tl.constexpr,
     NORM_KIND: tl.constexpr, ROWS: tl.constexpr, ONE_TILE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Program `(i, s)`: qparams `i * BLOCK_Q ..`, values `s * seg_len ..` of
     each; writes `out[s, c, q]`, the float64 error sum of candidate `c`."""
@@ -134,16 +153,18 @@ def _errors_kernel(
             w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
         for c in range(C):
             s = tl.load(scale_ptr + c * Q + q, mask=q_ok, other=1.0)[:, None]
+            inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             zp = 0.0
             if HAS_ZP:
                 zp = tl.load(zp_ptr + c * Q + q, mask=q_ok, other=0.0)[:, None]
-            err = _error(x, s, zp, w, qmin, qmax, split, magic, min_normal, norm,
-                         HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND)  # fmt: skip
-            err = tl.where(ok, err, 0.0).to(tl.float64)
-            tl.store(out_row + c * Q, tl.sum(err, axis=1), mask=q_ok)
+            err = _error(x, s, inv, zp, w, qmin, qmax, split, magic, min_normal,
+                         norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND, EXACT)  # fmt: skip
+            total = _row_sums(tl.where(ok, err, 0.0), EXACT)
+            tl.store(out_row + c * Q, total.to(out_ptr.dtype.element_ty), mask=q_ok)
     else:
         for c in range(C):
             s = tl.load(scale_ptr + c * Q + q, mask=q_ok, other=1.0)[:, None]
+            inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             zp = 0.0
             if HAS_ZP:
                 zp = tl.load(zp_ptr + c * Q + q, mask=q_ok, other=0.0)[:, None]
@@ -163,10 +184,11 @@ def _errors_kernel(
                 w = 1.0
                 if HAS_W:
                     w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
-                err = _error(x, s, zp, w, qmin, qmax, split, magic, min_normal,
-                             norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND)  # fmt: skip
-                acc += tl.sum(tl.where(ok, err, 0.0).to(tl.float64), axis=1)
-            tl.store(out_row + c * Q, acc, mask=q_ok)
+                err = _error(x, s, inv, zp, w, qmin, qmax, split, magic,
+                             min_normal, norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND,
+                             EXACT)  # fmt: skip
+                acc += _row_sums(tl.where(ok, err, 0.0), EXACT)
+            tl.store(out_row + c * Q, acc.to(out_ptr.dtype.element_ty), mask=q_ok)
 
 
 def supported(fmt: NumberFormat) -> bool:
@@ -188,6 +210,8 @@ def candidate_errors(
     fmt: NumberFormat,
     norm: float,
     weights: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    exact: bool = True,
 ) -> torch.Tensor | None:
     """Errors `sum w * |fake_quant(x) - x| ** norm` of every candidate.
 
@@ -200,9 +224,15 @@ def candidate_errors(
         norm: exponent of the absolute error.
         weights: optional weight of each value, `(N | 1, Q, G)` (any
             strides, e.g. expanded); products `w * err` are float32.
+        dtype: of the result: float64 (the sums), or float32 (each sum
+            rounded once; half the memory for the searches, which compare
+            float32 sums).
+        exact: torch's per-value errors (`x / scale` correctly rounded) in
+            float64 sums; False: `x * (1 / scale)` and float32 sums of each
+            tile's values (at most 1024), 2-3 times faster (module docstring).
 
     Returns:
-        `(C, Q)` float64 errors, or None where the kernel does not apply.
+        `(C, Q)` errors, or None where the kernel does not apply.
     """
     if x3.ndim != 3 or not supported(fmt) or not x3.is_floating_point():
         return None
@@ -212,7 +242,7 @@ def candidate_errors(
     num_c = scale.shape[0]
     device = x3.device
     if num_c == 0 or num_q == 0:
-        return torch.zeros(num_c, num_q, dtype=torch.float64, device=device)
+        return torch.zeros(num_c, num_q, dtype=dtype, device=device)
     values = n * g  # per qparam
     scale = scale.to(device=device, dtype=torch.float32).contiguous()
     zp = None
@@ -229,7 +259,8 @@ def candidate_errors(
     block_q = max(1, min(_TILE // block_e, triton.next_power_of_2(num_q)))
     seg_len = block_e if one_tile else max(block_e, _SEGMENT)
     segments = 1 if one_tile else -(-values // seg_len)
-    out = torch.empty(segments, num_c, num_q, dtype=torch.float64, device=device)
+    partial = dtype if segments == 1 else torch.float64
+    out = torch.empty(segments, num_c, num_q, dtype=partial, device=device)
     if fmt.is_float:
         split = float((1 << (_F32_MANTISSA_BITS - fmt.mantissa_bits)) + 1)
         magic = fmt.min_subnormal * float(1 << _F32_MANTISSA_BITS)
@@ -245,9 +276,9 @@ def candidate_errors(
             *x3.stride(), *w_strides,
             float(fmt.min), float(fmt.max), split, magic, min_normal, float(norm),
             HAS_ZP=zp is not None, HAS_W=weights is not None, IS_FLOAT=fmt.is_float,
-            NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile,
+            NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile, EXACT=exact,
             BLOCK_Q=block_q, BLOCK_E=block_e, enable_fp_fusion=False,
         )  # fmt: skip
     if segments == 1:
         return out[0]
-    return out.sum(dim=0)  # segments in a fixed order: deterministic
+    return out.sum(dim=0).to(dtype)  # segments in a fixed order: deterministic

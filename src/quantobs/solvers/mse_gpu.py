@@ -42,11 +42,17 @@ __all__ = ["best_shrink", "imatrix_choice", "settle_near_ties", "tie_columns"]
 _TOLERANCE = 2.0**-16  # mse_ties' tolerance
 _ALL_TIES = 256  # qparams re-scored whatever the share of near ones
 _TIE_SHARE = 256  # and one in this many beyond
+_TIE_VALUES = 1 << 16  # values re-scored whatever the share
 
 
-def tie_columns(num_q: int) -> int:
-    """How many qparams `settle_near_ties` may score again with torch."""
-    return min(num_q, _ALL_TIES + num_q // _TIE_SHARE)
+def tie_columns(num_q: int, values: int = 1) -> int:
+    """How many qparams of `values` values each `settle_near_ties` may score
+    again with torch: every qparam up to 256, then one in 256 more, and at
+    most `1 / 256` of the data beyond `2**16` values (0 for one large
+    qparam: a tensor's near ties keep the kernel's order)."""
+    columns = min(num_q, _ALL_TIES + num_q // _TIE_SHARE)
+    budget = max(_TIE_VALUES, num_q * values // _TIE_SHARE)
+    return min(columns, budget // max(1, values))
 
 
 def _tolerance(x3: torch.Tensor) -> float:
@@ -73,6 +79,7 @@ def settle_near_ties(
     repeats: torch.Tensor,
     tolerance: float,
     rescore: Callable[[torch.Tensor], torch.Tensor],
+    values: int = 1,
 ) -> torch.Tensor:
     """`errors` with the qparams of near comparisons scored by `rescore`.
 
@@ -82,17 +89,18 @@ def settle_near_ties(
             candidate `i`'s.
         tolerance: relative distance of a near comparison.
         rescore: `(K,)` int64 qparam indices -> their `(C, K)` errors (torch).
+        values: values per qparam (`tie_columns`).
 
     Returns:
         `(C, Q)` errors in `errors`' dtype, torch's for up to
-        `tie_columns(Q)` qparams with a near comparison (module docstring).
-        Nothing is read on the host.
+        `tie_columns(Q, values)` qparams with a near comparison (module
+        docstring). Nothing is read on the host.
     """
     num_c, num_q = errors.shape
-    if num_c < 2 or num_q == 0:
+    k = tie_columns(num_q, values)
+    if num_c < 2 or k == 0:
         return errors
     near = _near(errors, repeats, tolerance)  # (Q,)
-    k = tie_columns(num_q)
     device = errors.device
     order = torch.cumsum(near, dim=0) - 1  # rank of each near qparam
     slot = torch.where(near & (order < k), order, k)  # k: the unused slot
@@ -152,7 +160,14 @@ def best_shrink(
     scale, zero_point, repeats = _candidates(
         x3, args, min_vals, max_vals, factors, global_scale
     )
-    errors = triton_mse.candidate_errors(x3, scale, zero_point, fmt, norm)
+    # torch's errors are float32 sums (float64 sums of float32 chunk sums
+    # for qparams beyond a chunk, where the kernel's stay float64)
+    values = x3.shape[0] * x3.shape[-1]
+    wide = factors.numel() * values > chunk_elems
+    errors = triton_mse.candidate_errors(
+        x3, scale, zero_point, fmt, norm,
+        dtype=torch.float64 if wide else torch.float32, exact=False,
+    )  # fmt: skip
     if errors is None:
         return None
 
@@ -162,7 +177,7 @@ def best_shrink(
             x3[:, index], scale[:, index], zp, fmt, norm, chunk_elems=chunk_elems
         )
 
-    errors = settle_near_ties(errors, repeats, _tolerance(x3), rescore)
+    errors = settle_near_ties(errors, repeats, _tolerance(x3), rescore, values)
     return factors[first_best(errors, patience)]
 
 
@@ -189,10 +204,11 @@ def imatrix_choice(
     scale, zero_point, repeats = _candidates(
         x3, args, min_vals, max_vals, factors, None
     )
-    found = triton_mse.candidate_errors(x3, scale, zero_point, fmt, norm, weights)
-    if found is None:
+    errors = triton_mse.candidate_errors(
+        x3, scale, zero_point, fmt, norm, weights, dtype=torch.float32, exact=False
+    )  # the reference compares float32 sums
+    if errors is None:
         return None
-    errors = found.to(torch.float32)  # the reference compares float32 sums
 
     def rescore(index: torch.Tensor) -> torch.Tensor:
         if weights is None:
@@ -206,5 +222,6 @@ def imatrix_choice(
             weights[:, index], chunk_elems,
         )  # fmt: skip
 
-    errors = settle_near_ties(errors, repeats, _tolerance(x3), rescore)
+    values = x3.shape[0] * x3.shape[-1]
+    errors = settle_near_ties(errors, repeats, _tolerance(x3), rescore, values)
     return best_index(errors, patience)
