@@ -37,12 +37,22 @@ choice is torch's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from quantobs.core.formats import NumberFormat
 from quantobs.native import gpu
+
+try:  # CUDA's fast `pow` (libdevice); the interpreter has no libdevice
+    from triton.language.extra import libdevice
+
+    _HAS_FAST_POW = hasattr(libdevice, "fast_powf")
+except ImportError:  # pragma: no cover - older Triton
+    libdevice = None
+    _HAS_FAST_POW = False
 
 __all__ = ["candidate_errors", "supported"]
 
@@ -57,7 +67,7 @@ _POW_GENERIC, _POW_24, _POW_2, _POW_3 = 0, 1, 2, 3
 
 
 @triton.jit
-def _error_power(a, norm, NORM_KIND: tl.constexpr):
+def _error_power(a, norm, NORM_KIND: tl.constexpr, FAST_POW: tl.constexpr):
     """`a ** norm` for float32 `a >= 0` (module docstring)."""
     if NORM_KIND == 2:
         return a * a
@@ -66,18 +76,24 @@ def _error_power(a, norm, NORM_KIND: tl.constexpr):
     else:
         # log2 of 0 would be -inf (and warn under the interpreter): skip it
         safe = tl.where(a > 0, a, 1.0)
-        if NORM_KIND == 1:
-            root = tl.exp2(0.4 * tl.log2(safe))  # a ** 0.4
-            power = a * a * root
+        if NORM_KIND == 1:  # a ** 2.4 = a * a * a ** 0.4
+            if FAST_POW:  # CUDA: exp2(y * log2(x)), the hardware's approximations
+                power = a * a * libdevice.fast_powf(safe, 0.4)
+            else:
+                power = a * a * tl.exp2(0.4 * tl.log2(safe))
         else:
-            power = tl.exp2(norm * tl.log2(safe))
+            if FAST_POW:
+                power = libdevice.fast_powf(safe, norm)
+            else:
+                power = tl.exp2(norm * tl.log2(safe))
         return tl.where(a > 0, power, 0.0)
 
 
 @triton.jit
 def _error(x, s, inv, zp, w, qmin, qmax, split, magic, min_normal, norm,
            HAS_ZP: tl.constexpr, HAS_W: tl.constexpr, IS_FLOAT: tl.constexpr,
-           NORM_KIND: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+           NORM_KIND: tl.constexpr, EXACT: tl.constexpr,
+           FAST_POW: tl.constexpr):  # fmt: skip
     """`w * |fake_quant(x) - x| ** norm` in float32, element by element
     (`x / s` exactly, or `x * inv` with `inv = 1 / s`)."""
     if EXACT:  # noqa: SIM108 (Triton: a constexpr branch)
@@ -99,7 +115,7 @@ def _error(x, s, inv, zp, w, qmin, qmax, split, magic, min_normal, norm,
         v = (v + 12582912.0) - 12582912.0  # half to even (|v| < 2**22)
     if HAS_ZP:
         v = v - zp
-    err = _error_power(tl.abs(v * s - x), norm, NORM_KIND)
+    err = _error_power(tl.abs(v * s - x), norm, NORM_KIND, FAST_POW)
     if HAS_W:
         err = err * w
     return err
@@ -123,7 +139,8 @@ def _errors_kernel(
     qmin, qmax, split, magic, min_normal, norm,
     HAS_ZP: tl.constexpr, HAS_W: tl.constexpr, IS_FLOAT: tl.constexpr,
     NORM_KIND: tl.constexpr, ROWS: tl.constexpr, ONE_TILE: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+    EXACT: tl.constexpr, FAST_POW: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Program `(i, s)`: qparams `i * BLOCK_Q ..`, values `s * seg_len ..` of
     each; writes `out[s, c, q]`, the float64 error sum of candidate `c`."""
@@ -158,7 +175,8 @@ def _errors_kernel(
             if HAS_ZP:
                 zp = tl.load(zp_ptr + c * Q + q, mask=q_ok, other=0.0)[:, None]
             err = _error(x, s, inv, zp, w, qmin, qmax, split, magic, min_normal,
-                         norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND, EXACT)  # fmt: skip
+                         norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND, EXACT,
+                         FAST_POW)  # fmt: skip
             total = _row_sums(tl.where(ok, err, 0.0), EXACT)
             tl.store(out_row + c * Q, total.to(out_ptr.dtype.element_ty), mask=q_ok)
     else:
@@ -186,7 +204,7 @@ def _errors_kernel(
                     w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
                 err = _error(x, s, inv, zp, w, qmin, qmax, split, magic,
                              min_normal, norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND,
-                             EXACT)  # fmt: skip
+                             EXACT, FAST_POW)  # fmt: skip
                 acc += _row_sums(tl.where(ok, err, 0.0), EXACT)
             tl.store(out_row + c * Q, acc.to(out_ptr.dtype.element_ty), mask=q_ok)
 
@@ -268,17 +286,27 @@ def candidate_errors(
     else:
         split, magic, min_normal = 1.0, 0.0, 1.0
     grid = (triton.cdiv(num_q, block_q), segments)
+    launch = functools.partial(
+        _errors_kernel[grid],
+        x3, x3 if weights is None else weights, scale,
+        scale if zp is None else zp, out,
+        num_q, g, values, num_c, seg_len,
+        *x3.stride(), *w_strides,
+        float(fmt.min), float(fmt.max), split, magic, min_normal, float(norm),
+        HAS_ZP=zp is not None, HAS_W=weights is not None, IS_FLOAT=fmt.is_float,
+        NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile, EXACT=exact,
+        BLOCK_Q=block_q, BLOCK_E=block_e, enable_fp_fusion=False,
+    )  # fmt: skip
+    global _HAS_FAST_POW
+    fast = not exact and x3.is_cuda and _HAS_FAST_POW
     with gpu.interpreter_quiet():
-        _errors_kernel[grid](
-            x3, x3 if weights is None else weights, scale,
-            scale if zp is None else zp, out,
-            num_q, g, values, num_c, seg_len,
-            *x3.stride(), *w_strides,
-            float(fmt.min), float(fmt.max), split, magic, min_normal, float(norm),
-            HAS_ZP=zp is not None, HAS_W=weights is not None, IS_FLOAT=fmt.is_float,
-            NORM_KIND=_norm_kind(norm), ROWS=n > 1, ONE_TILE=one_tile, EXACT=exact,
-            BLOCK_Q=block_q, BLOCK_E=block_e, enable_fp_fusion=False,
-        )  # fmt: skip
+        try:
+            launch(FAST_POW=fast)
+        except Exception:  # a Triton without libdevice's fast_powf: portable pow
+            if not fast:
+                raise
+            _HAS_FAST_POW = False
+            launch(FAST_POW=False)
     if segments == 1:
         return out[0]
     return out.sum(dim=0).to(dtype)  # segments in a fixed order: deterministic

@@ -103,9 +103,12 @@ def settle_near_ties(
     near = _near(errors, repeats, tolerance)  # (Q,)
     device = errors.device
     order = torch.cumsum(near, dim=0) - 1  # rank of each near qparam
-    slot = torch.where(near & (order < k), order, k)  # k: the unused slot
-    index = torch.zeros(k + 1, dtype=torch.int64, device=device)
-    index.scatter_add_(0, slot, torch.arange(num_q, device=device))
+    # near qparam j goes to slot order[j] < k, every other to its own spare
+    # slot k + j: one write per slot (no two writes to one place)
+    qparams = torch.arange(num_q, device=device)
+    slot = torch.where(near & (order < k), order, k + qparams)
+    index = torch.zeros(k + num_q, dtype=torch.int64, device=device)
+    index.scatter_(0, slot, qparams)
     index = index[:k]  # (k,): the qparam of each used slot
     used = torch.arange(k, device=device) < near.sum()
     if k >= 2:  # one column of several rows would be summed in another order
