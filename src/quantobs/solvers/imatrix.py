@@ -53,11 +53,15 @@ _TINY = torch.finfo(torch.float32).tiny
 _MAX = torch.finfo(torch.float32).max
 
 
-def imatrix_factors(maxshrink: float, grid: float) -> torch.Tensor:
+def imatrix_factors(
+    maxshrink: float, grid: float, device: torch.device | None = None
+) -> torch.Tensor:
     """`(C,)` float32 factors `1 - i / grid`, `i = 0 .. max(1, int(maxshrink *
-    grid))` inclusive (llm-compressor's `_grid_search` candidates)."""
+    grid))` inclusive (llm-compressor's `_grid_search` candidates), computed
+    on `device` (as `shrink_factors`: no copy from the host)."""
     steps = max(1, int(maxshrink * grid))
-    return torch.tensor([1 - i / grid for i in range(steps + 1)], dtype=torch.float32)
+    i = torch.arange(steps + 1, dtype=torch.float64, device=device)
+    return (1 - i / grid).to(torch.float32)
 
 
 def normalize_importance(importance: torch.Tensor) -> torch.Tensor:
@@ -194,7 +198,7 @@ def imatrix_search(
     if weights is not None:  # (N | 1, Q, G); a copy only where it broadcasts
         shape = (weights.shape[0], *x_flat.shape[1:])
         w3 = weights.to(torch.float32).expand(shape).reshape(shape[0], -1, g)
-    factors = imatrix_factors(maxshrink, grid).to(x_flat.device)
+    factors = imatrix_factors(maxshrink, grid, x_flat.device)
     scoring = search_args(args)
     if patience >= factors.numel():  # it cannot stop before the last candidate
         patience = 0

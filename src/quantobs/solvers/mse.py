@@ -127,7 +127,7 @@ def grid_search(
         scoring,
         min_vals.reshape(-1),
         max_vals.reshape(-1),
-        shrink_factors(maxshrink, grid),
+        shrink_factors(maxshrink, grid, x_flat.device),
         norm=norm,
         patience=patience,
         chunk_elems=chunk_elems,
