@@ -419,14 +419,14 @@ def test_observers_take_the_kernels_on_cuda(name: str, case: str) -> None:
 def test_near_ties_are_torchs(
     triton_device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Candidates 1e-7 apart on rows of 4096 values: float32 sums in torch's
+    # Candidates 7e-7 apart on rows of 1024 values: float32 sums in torch's
     # order and in the kernel's order some of them differently. The settled
     # choice is torch's.
     args = QuantizationArgs(num_bits=8, strategy="channel")
-    gen = torch.Generator().manual_seed(1)
-    x3 = torch.randn(1, 8, 4096, generator=gen).to(triton_device)
+    gen = torch.Generator().manual_seed(0)
+    x3 = torch.randn(1, 8, 1024, generator=gen).to(triton_device)
     mins, maxs = minmax(x3)
-    factors = shrink_factors(20 / 1e7, 1e7)
+    factors = shrink_factors(20 / 3e6, 3e6)
     want = best_shrink.torch(x3, args, mins, maxs, factors, patience=None)
     impl = best_shrink.native("cuda")
     assert impl is not None
