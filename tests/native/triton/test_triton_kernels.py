@@ -182,6 +182,24 @@ def test_long_qparams_in_segments(triton_device: torch.device) -> None:
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0.0)
 
 
+def test_strided_values_and_weights(triton_device: torch.device) -> None:
+    # any strides (a transposed view, weights broadcast over rows): the
+    # errors of the contiguous copies
+    from quantobs.native import triton_mse
+
+    gen = torch.Generator().manual_seed(6)
+    x3 = torch.randn(2, 24, 5, generator=gen).transpose(1, 2).to(triton_device)
+    weights = torch.rand(1, 5, 24, generator=gen).to(triton_device)
+    scale = torch.rand(3, 5, generator=gen).add(0.1).to(triton_device)
+    fmt = QuantizationArgs(num_bits=4).format
+    found = [
+        triton_mse.candidate_errors(x, scale, None, fmt, 2.4, w)
+        for x, w in ((x3, weights), (x3.contiguous(), weights.expand(2, 5, 24)))
+    ]
+    assert found[0] is not None and found[1] is not None
+    assert torch.equal(found[0], found[1])
+
+
 def test_declines_what_it_does_not_round() -> None:
     from quantobs.native import gpu
 
