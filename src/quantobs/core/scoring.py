@@ -43,10 +43,18 @@ __all__ = [
 DEFAULT_CHUNK_ELEMS = 1 << 20
 
 
-def shrink_factors(maxshrink: float, grid: float) -> torch.Tensor:
-    """`(C,)` float32 factors `1 - i / grid` for `i < int(maxshrink * grid)`."""
+def shrink_factors(
+    maxshrink: float, grid: float, device: torch.device | None = None
+) -> torch.Tensor:
+    """`(C,)` float32 factors `1 - i / grid` for `i < int(maxshrink * grid)`.
+
+    Computed on `device` (default the CPU), with no copy from the host: the
+    float64 `1 - i / grid` of torch is Python's (correctly rounded division
+    and subtraction), rounded once to float32.
+    """
     steps = max(1, int(maxshrink * grid))
-    return torch.tensor([1 - i / grid for i in range(steps)], dtype=torch.float32)
+    i = torch.arange(steps, dtype=torch.float64, device=device)
+    return (1 - i / grid).to(torch.float32)
 
 
 def search_args(args: QuantizationArgs, round_scales: bool = False) -> QuantizationArgs:

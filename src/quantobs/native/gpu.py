@@ -10,10 +10,12 @@ calling `kernel.native("cuda")` directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
-__all__ = ["available", "interpreted", "triton_importable"]
+__all__ = ["available", "interpreted", "interpreter_quiet", "triton_importable"]
 
 
 @functools.cache
@@ -38,3 +40,17 @@ def available() -> bool:
     from quantobs.native import runtime
 
     return runtime.enabled() and triton_importable()
+
+
+@contextlib.contextmanager
+def interpreter_quiet() -> Iterator[None]:
+    """Around a kernel launch: under the interpreter, numpy's warnings of
+    float overflow and invalid values are off (a kernel's inf or NaN is the
+    torch reference's too; on a GPU nothing warns)."""
+    if not interpreted():
+        yield
+        return
+    import numpy as np  # the interpreter's own dependency
+
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        yield

@@ -36,10 +36,13 @@ from quantobs.core.scoring import (
     error_power,
     search_args,
 )
+from quantobs.native.dispatch import kernel
+from quantobs.solvers import mse_gpu
 from quantobs.stats.reduce import minmax
 
 __all__ = [
     "best_index",
+    "imatrix_choice",
     "imatrix_factors",
     "imatrix_search",
     "normalize_importance",
@@ -50,11 +53,15 @@ _TINY = torch.finfo(torch.float32).tiny
 _MAX = torch.finfo(torch.float32).max
 
 
-def imatrix_factors(maxshrink: float, grid: float) -> torch.Tensor:
+def imatrix_factors(
+    maxshrink: float, grid: float, device: torch.device | None = None
+) -> torch.Tensor:
     """`(C,)` float32 factors `1 - i / grid`, `i = 0 .. max(1, int(maxshrink *
-    grid))` inclusive (llm-compressor's `_grid_search` candidates)."""
+    grid))` inclusive (llm-compressor's `_grid_search` candidates), computed
+    on `device` (as `shrink_factors`: no copy from the host)."""
     steps = max(1, int(maxshrink * grid))
-    return torch.tensor([1 - i / grid for i in range(steps + 1)], dtype=torch.float32)
+    i = torch.arange(steps + 1, dtype=torch.float64, device=device)
+    return (1 - i / grid).to(torch.float32)
 
 
 def normalize_importance(importance: torch.Tensor) -> torch.Tensor:
@@ -191,11 +198,48 @@ def imatrix_search(
     if weights is not None:  # (N | 1, Q, G); a copy only where it broadcasts
         shape = (weights.shape[0], *x_flat.shape[1:])
         w3 = weights.to(torch.float32).expand(shape).reshape(shape[0], -1, g)
-    factors = imatrix_factors(maxshrink, grid).to(x_flat.device)
+    factors = imatrix_factors(maxshrink, grid, x_flat.device)
     scoring = search_args(args)
-    num_c = factors.numel()
-    if patience >= num_c:  # it cannot stop before the last candidate
+    if patience >= factors.numel():  # it cannot stop before the last candidate
         patience = 0
+    index = imatrix_choice(
+        x3, scoring, mins, maxs, factors, norm, patience, w3, chunk_elems
+    )
+    found = factors[index].reshape(qshape)
+    return min_vals * found, max_vals * found
+
+
+@kernel
+def imatrix_choice(
+    x3: torch.Tensor,
+    args: QuantizationArgs,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    factors: torch.Tensor,
+    norm: float,
+    patience: int,
+    weights: torch.Tensor | None,
+    chunk_elems: int,
+) -> torch.Tensor:
+    """`(Q,)` int64 index of llm-compressor's choice among the candidates
+    (`best_index` of their float32 errors).
+
+    A kernel: on CUDA one Triton pass scores every candidate
+    (`quantobs.solvers.mse_gpu.imatrix_choice`, the same choice).
+
+    Args:
+        x3: `(N, Q, G)` finite values.
+        args: the args candidates are scored with (`search_args`).
+        min_vals: `(Q,)` reference minima; candidates are `factor * min_vals`.
+        max_vals: `(Q,)` reference maxima.
+        factors: `(C,)` float32 shrink factors, in the order of the search.
+        norm: exponent of the absolute error.
+        patience: early stop (0: never; less than `C`).
+        weights: optional `(N | 1, Q, G)` float32 weight of each value.
+        chunk_elems: elements per temporary tensor.
+    """
+    n, g = x3.shape[0], x3.shape[-1]
+    num_c = factors.numel()
     # Blocks of candidates whose (c, Q) errors are at most one copy of the
     # input (and at most `patience`, the blocks llm-compressor's early stop
     # was checked after): all scored, the stop decided on the device.
@@ -203,15 +247,17 @@ def imatrix_search(
     found_errors = []
     for c0 in range(0, num_c, block):
         block_factors = factors[c0 : c0 + block]
-        if w3 is None:
+        if weights is None:
             errors = candidate_errors(
-                x3, scoring, mins, maxs, block_factors, norm, chunk_elems
+                x3, args, min_vals, max_vals, block_factors, norm, chunk_elems
             ).to(torch.float32)
         else:
             errors = weighted_errors(
-                x3, scoring, mins, maxs, block_factors, norm, w3, chunk_elems
-            )
+                x3, args, min_vals, max_vals, block_factors, norm, weights,
+                chunk_elems,
+            )  # fmt: skip
         found_errors.append(errors)
-    index = best_index(torch.cat(found_errors), patience)
-    found = factors[index].reshape(qshape)
-    return min_vals * found, max_vals * found
+    return best_index(torch.cat(found_errors), patience)
+
+
+imatrix_choice.register("cuda", mse_gpu.imatrix_choice)

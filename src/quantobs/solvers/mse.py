@@ -29,6 +29,8 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.checks import Checks
 from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, search_args, shrink_factors
+from quantobs.native.dispatch import kernel
+from quantobs.solvers import mse_gpu
 from quantobs.solvers.mse_ties import LlmCompressorErrors, first_best, patience_stop
 from quantobs.stats.reduce import minmax
 
@@ -125,7 +127,7 @@ def grid_search(
         scoring,
         min_vals.reshape(-1),
         max_vals.reshape(-1),
-        shrink_factors(maxshrink, grid),
+        shrink_factors(maxshrink, grid, x_flat.device),
         norm=norm,
         patience=patience,
         chunk_elems=chunk_elems,
@@ -134,6 +136,7 @@ def grid_search(
     return GridSearch(x3, scoring, min_vals, max_vals, global_scale, best)
 
 
+@kernel
 def best_shrink(
     x3: torch.Tensor,
     args: QuantizationArgs,
@@ -147,6 +150,9 @@ def best_shrink(
     global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """llm-compressor's choice among shrink factors, per qparam.
+
+    A kernel: on CUDA one Triton pass scores every candidate
+    (`quantobs.solvers.mse_gpu.best_shrink`, the same choice).
 
     Args:
         x3: `(N, Q, G)` finite values.
@@ -187,3 +193,6 @@ def best_shrink(
             errors = errors[:stop]
             break
     return factors[torch.argmin(errors, dim=0)]  # first minimum wins
+
+
+best_shrink.register("cuda", mse_gpu.best_shrink)

@@ -92,7 +92,16 @@ def _minmax3_native(
     return native.minmax_absmax(x3)
 
 
+def _minmax3_gpu(
+    x3: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
+    from quantobs.native import triton_minmax  # imports Triton
+
+    return triton_minmax.minmax3(x3)
+
+
 _minmax3.register("cpu", _minmax3_native)
+_minmax3.register("cuda", _minmax3_gpu)
 
 
 def _result_dtype(x: torch.Tensor, exact_dtype: bool) -> torch.dtype:

@@ -126,7 +126,7 @@ def legacy_mse_range(
         `(min_vals, max_vals)`, each `(*Q,)` float32 (float64 for float64
         ranges, whose ends may lie past float32's max); the first minimum wins.
     """
-    factors = shrink_factors(options.maxshrink, options.grid).to(x_flat.device)
+    factors = shrink_factors(options.maxshrink, options.grid, x_flat.device)
     min32, max32 = min_vals.float(), max_vals.float()
     errors = candidate_errors(
         x_flat, search_args(args), min32, max32, factors, options.norm
