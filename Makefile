@@ -1,6 +1,7 @@
 # quantobs developer entry points. The README's two commands:
 #   make run    set up .venv with the CLI and run the main job
-#   make test   set up .venv with dev + peers, then lint, type-check and test
+#   make test   set up .venv with dev + peers, then lint, type-check and test;
+#               then the tests again on the newest peers (make test-latest)
 #
 # Every pip install passes -c constraints.txt: it pins torch to the CPU build
 # (an unpinned torch would pull a multi-GB CUDA build) and the dev tools to the
@@ -24,6 +25,14 @@ NATIVE_BUILD := $(BIN)/python src/quantobs/native/build.py
 STAMP_CLI := $(VENV)/.stamp-cli
 STAMP_DEV := $(VENV)/.stamp-dev
 
+# The newest stack each peer publishes (requirements-latest.txt), in its own
+# environment: pip resolves it freshly (no constraints file, pre-releases
+# where that file names one).
+VENV_LATEST ?= .venv-latest
+BIN_LATEST := $(VENV_LATEST)/bin
+REQUIREMENTS_LATEST := requirements-latest.txt
+STAMP_LATEST := $(VENV_LATEST)/.stamp-latest
+
 # Arguments for the main job, e.g. `make run RUN_ARGS="--quick --format json"`;
 # the report (HTML + PNG plots) goes to REPORT_DIR, replaced on each run.
 REPORT_DIR ?= compare-report
@@ -32,11 +41,13 @@ RUN_ARGS ?= --report $(REPORT_DIR) --overwrite
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test setup setup-dev native lint format typecheck pytest bench clean
+.PHONY: help run test test-pinned test-latest setup setup-dev setup-latest native lint format typecheck pytest bench bench-gpu clean
 
 help:
 	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs compare' on the default model"
-	@echo "make test       set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
+	@echo "make test       test-pinned, then test-latest"
+	@echo "make test-pinned set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
+	@echo "make test-latest set up $(VENV_LATEST) (.[dev,cli] + $(REQUIREMENTS_LATEST)); pytest on the newest peers"
 	@echo "make format     apply ruff format and the safe ruff fixes"
 	@echo "make bench      run benchmarks/bench_qparams.py"
 	@echo "make native     rebuild the native kernels in place (src/quantobs/native)"
@@ -56,8 +67,15 @@ $(STAMP_DEV): $(SETUP_INPUTS) | $(BIN)/python
 	$(PIP) install -c $(CONSTRAINTS) -e '.[dev,cli,peers]'
 	touch $@ $(STAMP_CLI)
 
+# `.[dev,cli]` with the newest peers instead of constraints.txt's pins.
+$(STAMP_LATEST): $(SETUP_INPUTS) $(REQUIREMENTS_LATEST)
+	$(PYTHON) -m venv $(VENV_LATEST)
+	$(BIN_LATEST)/python -m pip install -e '.[dev,cli]' -r $(REQUIREMENTS_LATEST)
+	touch $@
+
 setup: $(STAMP_CLI)
 setup-dev: $(STAMP_DEV)
+setup-latest: $(STAMP_LATEST)
 
 # Without a C compiler the job still runs (torch kernels, with a warning).
 run: $(STAMP_CLI)
@@ -69,7 +87,9 @@ native: | $(BIN)/python
 
 # Each step exits non-zero on failure and make stops there; all of them are
 # what .pre-commit-config.yaml runs too.
-test: lint typecheck pytest
+test: test-pinned test-latest
+
+test-pinned: lint typecheck pytest
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
@@ -82,6 +102,12 @@ pytest: $(STAMP_DEV)
 	$(NATIVE_BUILD) --if-stale
 	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
+# The same tests on the newest peers; parity tests whose peer lacks what they
+# compare skip with the reason.
+test-latest: $(STAMP_LATEST)
+	$(BIN_LATEST)/python src/quantobs/native/build.py --if-stale
+	$(BIN_LATEST)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
 format: $(STAMP_DEV)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
@@ -91,5 +117,5 @@ bench: $(STAMP_DEV)
 	$(BIN)/python benchmarks/bench_qparams.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_LATEST) .mypy_cache .ruff_cache .pytest_cache .hypothesis
 	rm -rf build src/quantobs/native/_qo_kernels.*
