@@ -215,7 +215,7 @@ def _require_fp6(recipe: Recipe, format: str | None) -> None:
         check_fp6(f"format {format!r}", "export")
     for group, scheme in recipe.config_groups.items():
         if uses_fp6(scheme):
-            check_fp6(f"the FP6 (e2m3) args of {_describe(recipe, group)}", "export")
+            check_fp6(_describe(recipe, group), "export")
     if uses_fp6(recipe.kv_cache_scheme):
         check_fp6("the FP6 (e2m3) kv_cache_scheme", "export")
 
