@@ -101,6 +101,14 @@ def test_fp6_rounding_matches_cast_to_fp6(dtype: torch.dtype) -> None:
     assert torch.equal(ours.signbit(), theirs.signbit())  # -0.0 stays -0.0
 
 
+def test_float64_is_rounded_once() -> None:
+    # compressed-tensors rounds float64 to float32 before e2m3 (twice); we
+    # round once (quantobs.core.quantize's docstring)
+    x = torch.tensor([1.0625 + 1e-12, 1.0625 - 1e-12], dtype=torch.float64)
+    assert get_format("float6_e2m3fn").round(x).tolist() == [1.125, 1.0]
+    assert cast_to_fp6(x).tolist() == [1.0, 1.0]
+
+
 def test_fp6_args_take_the_e2m3_format() -> None:
     args = QuantizationArgs(**MXFP6)
     assert args.format.name == "float6_e2m3fn" and args.is_mx
