@@ -75,3 +75,43 @@ def token_batches(count: int, seed: int = 1, size: tuple[int, int] = (2, 16)) ->
         {"input_ids": torch.randint(0, 128, size, generator=generator)}
         for _ in range(count)
     ]
+
+
+def dequantizes_one_scheme() -> bool:
+    """Whether transformers' `dequantize=True` load decompresses every dense
+    module with one config group's format (`CompressedTensorsDequantize` and
+    its `get_dense_scheme`, transformers 5.24): a mixed-precision checkpoint
+    then fails to load (`KeyError: 'weight_packed'` where a module of
+    another group has no packed weight). transformers 5.17 decompresses
+    each module under its own group's format."""
+    from transformers.integrations import compressed_tensors as integration
+
+    return hasattr(integration, "get_dense_scheme")
+
+
+def load_dequantized(
+    out: object, mixed: bool = False, auto: object = None
+) -> torch.nn.Module:
+    """The checkpoint `out`, dequantized, as a transformers model of the
+    `auto` class (default `AutoModel`), in eval mode.
+
+    A `mixed` (mixed-precision) checkpoint under a transformers that
+    dequantizes with one scheme (`dequantizes_one_scheme`): its failure is
+    asserted, then the checkpoint loads compressed (each module under its
+    own group, as vLLM reads it) and compressed-tensors decompresses it."""
+    config_class = transformers.utils.quantization_config.CompressedTensorsConfig
+    auto_class = auto or transformers.AutoModel
+    if mixed and dequantizes_one_scheme():
+        with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+            auto_class.from_pretrained(
+                out, quantization_config=config_class(dequantize=True)
+            )
+        model = auto_class.from_pretrained(
+            out, quantization_config=config_class(dequantize=False)
+        )
+        model.hf_quantizer.compressor.decompress_model(model)
+    else:
+        model = auto_class.from_pretrained(
+            out, quantization_config=config_class(dequantize=True)
+        )
+    return model.eval()

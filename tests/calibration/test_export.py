@@ -25,7 +25,12 @@ from quantobs.calibration.export import (
 )
 from quantobs.core.layout import BASE_NAMES
 from quantobs.core.presets import preset_scheme
-from tests.calibration.conftest import minilm_dir, tiny_llama, token_batches
+from tests.calibration.conftest import (
+    load_dequantized,
+    minilm_dir,
+    tiny_llama,
+    token_batches,
+)
 
 pytestmark = pytest.mark.peers
 compressed_tensors = pytest.importorskip("compressed_tensors")
@@ -349,15 +354,13 @@ def test_groups_of_different_formats_make_a_mixed_precision_checkpoint(
     assert quant["format"] == "mixed-precision"
     formats = {g["format"] for g in quant["config_groups"].values()}
     assert formats == {"pack-quantized", "float-quantized"}
-    config = transformers.utils.quantization_config.CompressedTensorsConfig(
-        dequantize=True
-    )
-    loaded = transformers.AutoModel.from_pretrained(out, quantization_config=config)
+    # (transformers 5.24 cannot dequantize it while loading: `load_dequantized`)
+    loaded = load_dequantized(out, mixed=True)
     weights = _fake_quantized_weights(model)
     assert len(weights) == 36
     for name, weight in weights.items():
         torch.testing.assert_close(
-            loaded.get_submodule(name).weight, weight, rtol=0, atol=0
+            loaded.get_submodule(name).weight.float(), weight, rtol=0, atol=0
         )
 
 
@@ -426,7 +429,7 @@ def test_attention_and_kv_cache_scales_are_exported(tmp_path: Path) -> None:
     )
     for name, weight in _fake_quantized_weights(model).items():
         torch.testing.assert_close(
-            loaded.get_submodule(name).weight, weight, rtol=0, atol=0
+            loaded.get_submodule(name).weight.float(), weight, rtol=0, atol=0
         )
 
 
@@ -453,7 +456,8 @@ def test_formats_are_inferred_per_group_and_checked() -> None:
     for scheme, expected in {**FORMATS, "MXFP4A16": "mxfp4-pack-quantized"}.items():
         recipe = Recipe.from_scheme(scheme)
         assert checkpoint_formats(recipe) == {"group_0": expected}
-    assert set(FORMATS.values()) == set(SUPPORTED_FORMATS)
+    # (mxfp6-pack-quantized: tests/calibration/test_export_mx.py)
+    assert set(FORMATS.values()) | {"mxfp6-pack-quantized"} == set(SUPPORTED_FORMATS)
     with pytest.raises(ValueError, match=r"MXFP8.*supported: pack-quantized"):
         checkpoint_formats(Recipe.from_scheme("MXFP8"))
     with pytest.raises(ValueError, match=r"UNQUANTIZED.*nothing quantized"):

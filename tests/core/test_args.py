@@ -21,9 +21,31 @@ from quantobs import (
 )
 
 
+def _assert_same_config(ours: QuantizationArgs, theirs: CTArgs) -> None:
+    """`ours` and compressed-tensors' `theirs` are the same args, and each
+    one's saved config reads back into the other, under compressed-tensors
+    0.19 (which saves every field) and 0.20 (which omits None, default
+    `observer` and `zp_dtype` fields). Saved configs of both drop the
+    zp_dtype of symmetric args (no zero point is stored): they are compared
+    as saved (`model_dump`)."""
+    saved = ours.model_dump()
+    assert QuantizationArgs.from_compressed_tensors(theirs) == ours
+    for their_config in (theirs.model_dump(), theirs.model_dump(mode="json")):
+        assert QuantizationArgs.model_validate(their_config).model_dump() == saved
+    again = QuantizationArgs.model_validate_json(ours.model_dump_json())
+    assert again.model_dump() == saved
+    back = ours.to_compressed_tensors()
+    assert isinstance(back, CTArgs)
+    assert back == theirs and back.zp_dtype == theirs.zp_dtype
+    # the config compressed-tensors saves for ours is the one it saves for its own
+    assert back.model_dump(mode="json") == theirs.model_dump(mode="json")
+    read = QuantizationArgs.from_compressed_tensors(CTArgs.model_validate(saved))
+    assert read.model_dump() == saved
+
+
 def test_defaults_match_compressed_tensors() -> None:
     ours, theirs = QuantizationArgs(), CTArgs()
-    assert ours.model_dump() == theirs.model_dump()
+    _assert_same_config(ours, theirs)
     assert ours.strategy == "tensor" and ours.zp_dtype == torch.int8
     assert ours.format.name == "int8"
 
@@ -90,7 +112,8 @@ def test_enum_strings_case_insensitive() -> None:
             },
             r"MX formats .* symmetric only",
         ),
-        ({"type": "float", "num_bits": 6}, r"num_bits=6 is not supported"),
+        ({"type": "float", "num_bits": 6, "symmetric": False}, r"asymmetric FP6"),
+        ({"type": "float", "num_bits": 5}, r"num_bits=5 is not supported"),
         ({"num_bits": 16}, r"num_bits=16 is not supported for type 'int'"),
         ({"num_bits": 1}, r"num_bits=1 is not supported"),
         ({"num_bits": True}, r"num_bits=True must be an int"),
@@ -163,17 +186,28 @@ def test_validation_error_is_a_value_error() -> None:
     ],
 )
 def test_round_trip_with_compressed_tensors(kwargs: dict[str, Any]) -> None:
-    theirs = CTArgs(**kwargs)
-    ours = QuantizationArgs.from_compressed_tensors(theirs)
-    assert ours.model_dump() == theirs.model_dump()
-    assert ours.zp_dtype == theirs.zp_dtype
-    # A dump drops a symmetric zp_dtype, so only the dump itself must agree.
-    from_dump = QuantizationArgs.from_compressed_tensors(theirs.model_dump())
-    assert from_dump.model_dump() == theirs.model_dump()
-    back = ours.to_compressed_tensors()
-    assert isinstance(back, CTArgs)
-    assert back.model_dump() == theirs.model_dump()
-    assert back.zp_dtype == theirs.zp_dtype
+    _assert_same_config(QuantizationArgs(**kwargs), CTArgs(**kwargs))
+
+
+def test_saved_configs_of_both_compressed_tensors_versions_read_back() -> None:
+    # 0.19 saves every field; 0.20 omits None ones, an empty observer_kwargs,
+    # and observer / zp_dtype unless given (written here, not read from the
+    # installed version)
+    full = {
+        "num_bits": 4, "type": "int", "symmetric": False, "group_size": 128,
+        "strategy": "group", "block_structure": None, "dynamic": False,
+        "actorder": None, "scale_dtype": None, "zp_dtype": "torch.int8",
+        "observer": None, "observer_kwargs": {},
+    }  # fmt: skip
+    sparse = {
+        "num_bits": 4, "type": "int", "symmetric": False, "group_size": 128,
+        "strategy": "group", "dynamic": False,
+    }  # fmt: skip
+    expected = QuantizationArgs(num_bits=4, symmetric=False, group_size=128)
+    for saved in (full, sparse):
+        assert QuantizationArgs.model_validate(saved) == expected
+        assert CTArgs.model_validate(saved) == expected.to_compressed_tensors()
+    assert expected.zp_dtype == torch.int8
 
 
 def test_from_compressed_tensors_rejects_other_types() -> None:
@@ -198,12 +232,17 @@ def test_presets_match_compressed_tensors(name: str) -> None:
         mine, other = getattr(ours, part), getattr(theirs, part)
         assert (mine is None) == (other is None), part
         if mine is not None:
-            assert mine.model_dump() == other.model_dump(), part
-            assert mine.zp_dtype == other.zp_dtype
+            _assert_same_config(mine, other)
+
+
+#: The presets compressed-tensors defines from 0.20 on.
+PRESETS_SINCE_0_20 = {"MXFP4XFP8", "MXFP6A16", "MXFP6A8"}
 
 
 def test_preset_names() -> None:
-    assert set(PRESET_SCHEMES) == set(CT_PRESETS)
+    # every preset of the installed compressed-tensors; 0.19 lacks 0.20's
+    assert set(CT_PRESETS) <= set(PRESET_SCHEMES)
+    assert set(PRESET_SCHEMES) - set(CT_PRESETS) <= PRESETS_SINCE_0_20
     for name in (
         "W8A8",
         "W8A16",
@@ -217,6 +256,7 @@ def test_preset_names() -> None:
         "NVFP4A16",
         "MXFP4",
         "MXFP8",
+        *PRESETS_SINCE_0_20,
     ):
         assert name in PRESET_SCHEMES
     assert preset_scheme("w4a16") == preset_scheme("W4A16")
@@ -240,3 +280,30 @@ def test_format_and_mx_properties() -> None:
     assert QuantizationArgs(
         type="float", group_size=32, scale_dtype=torch.float8_e8m0fnu
     ).is_mx
+    mxfp6 = preset_scheme("MXFP6A16").weights
+    assert mxfp6 is not None and mxfp6.is_mx
+    assert mxfp6.format.name == "float6_e2m3fn"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS_SINCE_0_20))
+def test_presets_since_compressed_tensors_0_20(name: str) -> None:
+    # their args as compressed-tensors 0.20 defines them (written out here,
+    # so that they are checked under 0.19 too)
+    mx = {"type": "float", "group_size": 32, "scale_dtype": torch.uint8}
+    expected = {
+        "MXFP4XFP8": (
+            {"num_bits": 4, **mx},
+            {"num_bits": 8, "type": "float", "group_size": 128, "dynamic": True},
+        ),
+        "MXFP6A16": ({"num_bits": 6, **mx}, None),
+        "MXFP6A8": ({"num_bits": 6, **mx}, {"num_bits": 8, "dynamic": True, **mx}),
+    }[name]
+    scheme = preset_scheme(name)
+    weights, inputs = expected
+    assert scheme.weights == QuantizationArgs(**weights, zp_dtype=torch.uint8)
+    if inputs is None:
+        assert scheme.input_activations is None
+    else:
+        zp = {"zp_dtype": torch.uint8} if "scale_dtype" in inputs else {}
+        assert scheme.input_activations == QuantizationArgs(**inputs, **zp)
+    assert scheme.output_activations is None

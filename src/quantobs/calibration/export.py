@@ -17,7 +17,9 @@ The format of each config group is compressed-tensors' own inference
     W8A8 (int weights and inputs)     int-quantized
     FP8, FP8_DYNAMIC, FP8_BLOCK       float-quantized
     NVFP4, NVFP4A16                   nvfp4-pack-quantized
-    MXFP4, MXFP4A16                   mxfp4-pack-quantized
+    MXFP4, MXFP4A16, MXFP4XFP8        mxfp4-pack-quantized
+    MXFP6A16, MXFP6A8                 mxfp6-pack-quantized (compressed-tensors
+                                      >= 0.20; FP6 anywhere in a recipe needs it)
 
 Groups of different formats make a `mixed-precision` checkpoint; a group
 that quantizes no weight (attention states) keeps dense weights. Scales of
@@ -66,6 +68,7 @@ from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors
 from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.peer_versions import check_fp6, uses_fp6
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
 __all__ = ["SUPPORTED_FORMATS", "checkpoint_formats", "save_compressed"]
@@ -77,11 +80,14 @@ SUPPORTED_FORMATS = (
     "float-quantized",
     "nvfp4-pack-quantized",
     "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
 )
 _EXAMPLES = (
     "schemes W4A16, W4A16_ASYM, W8A16, W8A8, FP8, FP8_DYNAMIC, FP8_BLOCK, "
-    "NVFP4, NVFP4A16, MXFP4, MXFP4A16"
+    "NVFP4, NVFP4A16, MXFP4, MXFP4A16, MXFP4XFP8, MXFP6A16, MXFP6A8"
 )
+#: The format compressed-tensors 0.20 added (FP6 e2m3 in groups of 32).
+_FP6_FORMAT = "mxfp6-pack-quantized"
 # The format of a group that quantizes no weight (its scales stay beside
 # dense weights).
 _DENSE = "dense"
@@ -167,6 +173,7 @@ def checkpoint_formats(recipe: Recipe, format: str | None = None) -> dict[str, s
     supported = ", ".join(SUPPORTED_FORMATS)
     if format is not None and format not in SUPPORTED_FORMATS:
         raise ValueError(f"unsupported format {format!r}; supported: {supported}")
+    _require_fp6(recipe, format)
     # (a format is given: compressed-tensors' config takes no None)
     ct_schemes = recipe.to_compressed_tensors(_DENSE).config_groups
     found: dict[str, str] = {}
@@ -199,6 +206,18 @@ def checkpoint_formats(recipe: Recipe, format: str | None = None) -> dict[str, s
             f"{supported} ({_EXAMPLES})"
         )
     return found
+
+
+def _require_fp6(recipe: Recipe, format: str | None) -> None:
+    """Raise where `recipe` (any args of any group) or `format` needs FP6
+    and the installed compressed-tensors has none (before 0.20)."""
+    if format == _FP6_FORMAT:
+        check_fp6(f"format {format!r}", "export")
+    for group, scheme in recipe.config_groups.items():
+        if uses_fp6(scheme):
+            check_fp6(_describe(recipe, group), "export")
+    if uses_fp6(recipe.kv_cache_scheme):
+        check_fp6("the FP6 (e2m3) kv_cache_scheme", "export")
 
 
 def _refuse_transposed(attachment: Any) -> None:

@@ -236,11 +236,16 @@ def _check_schemes(
 
 
 def _compare(options: argparse.Namespace) -> None:
+    from quantobs.core.peer_versions import COMPARE_TASK, check_fp6_schemes
     from quantobs.data import calibration_texts, heldout_texts
     from quantobs.report.compare import compare
 
     schemes, observers = _matrix(options)
     kv_cache_args(options.kv_cache_scheme)  # a bad name: before any loading
+    try:  # FP6 schemes without compressed-tensors >= 0.20: before any loading
+        check_fp6_schemes(schemes, kv_cache_args(options.kv_cache_scheme), COMPARE_TASK)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     directory = model_dir(options.model)
     calibration = texts(options.data, calibration_texts(), "calibration")
     held_out = texts(options.heldout, heldout_texts(), "held-out")

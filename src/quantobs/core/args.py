@@ -72,6 +72,10 @@ class ActivationOrdering(str, Enum):
 
 _ACTORDER_ALIASES = {"static": "weight", "dynamic": "group"}
 
+# The number format of `type="float"` args per `num_bits` (compressed-tensors'
+# FP4 E2M1, FP6 E2M3 (0.20) and FP8 E4M3).
+_FLOAT_FORMATS = {4: "float4_e2m1fn", 6: "float6_e2m3fn", 8: "float8_e4m3fn"}
+
 # Strategies that can be computed on the fly (compressed-tensors' rule).
 _DYNAMIC_STRATEGIES = ("token", "tensor", "tensor_group", "group")
 
@@ -105,8 +109,8 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
     fields hold their plain string values (`args.strategy == "group"`).
 
     Args:
-        num_bits: bits per value: 2..8 for `int`, 4 (FP4 e2m1) or 8 (FP8 e4m3)
-            for `float`.
+        num_bits: bits per value: 2..8 for `int`; 4 (FP4 e2m1), 6 (FP6 e2m3,
+            compressed-tensors >= 0.20) or 8 (FP8 e4m3) for `float`.
         type: `"int"` or `"float"`.
         symmetric: zero point fixed at 0 when True.
         strategy: one scale per tensor, channel, group, block, token,
@@ -230,7 +234,7 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
 
     def _format_name(self) -> str:
         if self.type == "float":
-            return "float8_e4m3fn" if self.num_bits == 8 else "float4_e2m1fn"
+            return _FLOAT_FORMATS[self.num_bits]
         return f"int{self.num_bits}"
 
     def model_copy(
@@ -247,15 +251,15 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
             raise ValueError(
                 f"num_bits={self.num_bits} is not supported for type 'int'; use 2..8"
             )
-        if self.type == "float" and self.num_bits not in (4, 8):
+        if self.type == "float" and self.num_bits not in _FLOAT_FORMATS:
             raise ValueError(
                 f"num_bits={self.num_bits} is not supported for type 'float'; "
-                "use 8 (float8_e4m3fn) or 4 (float4_e2m1fn)"
+                "use 8 (float8_e4m3fn), 6 (float6_e2m3fn) or 4 (float4_e2m1fn)"
             )
-        if self.type == "float" and not self.symmetric and self.num_bits == 4:
+        if self.type == "float" and not self.symmetric and self.num_bits in (4, 6):
             raise ValueError(
-                "asymmetric FP4 is not supported (no zero point in FP4 formats); "
-                "set symmetric=True"
+                f"asymmetric FP{self.num_bits} is not supported (no zero point in "
+                f"FP{self.num_bits} formats); set symmetric=True"
             )
         if self.is_mx and not self.symmetric:
             raise ValueError(
@@ -362,5 +366,10 @@ class QuantizationArgs(BaseModel, use_enum_values=True):
                 "pip install 'quantobs[peers]'"
             ) from err
         data = self.model_dump()
-        data["zp_dtype"] = self.zp_dtype
+        # An explicit zp_dtype only where it is not the default: compressed-
+        # tensors >= 0.20 saves the zp_dtype (of asymmetric args) only when
+        # given, so its saved config equals that of its own args.
+        data.pop("zp_dtype")
+        if self.zp_dtype != self._default_zp_dtype():
+            data["zp_dtype"] = self.zp_dtype
         return CTArgs.model_validate(data)

@@ -1,7 +1,8 @@
 """Named quantization schemes (`W4A16`, `FP8`, `NVFP4`, ...).
 
 The weights / input-activation args of each preset equal compressed-tensors'
-preset of the same name (0.19).
+preset of the same name (0.19; MXFP4XFP8, MXFP6A16 and MXFP6A8 as
+compressed-tensors 0.20 defines them; exporting the MXFP6 ones needs 0.20).
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "MXFP8A16": {"weights": _float(8, "group", **_MX)},
     "MXFP8": {
         "weights": _float(8, "group", **_MX),
+        "input_activations": _float(8, "group", dynamic=True, **_MX),
+    },
+    # compressed-tensors 0.20: MXFP4 weights with dynamic FP8 inputs in
+    # groups of 128 (plain float scales, not MX); MXFP6 (e2m3) weights alone
+    # or with dynamic MXFP8 inputs.
+    "MXFP4XFP8": {
+        "weights": _float(4, "group", **_MX),
+        "input_activations": _float(8, "group", group_size=128, dynamic=True),
+    },
+    "MXFP6A16": {"weights": _float(6, "group", **_MX)},
+    "MXFP6A8": {
+        "weights": _float(6, "group", **_MX),
         "input_activations": _float(8, "group", dynamic=True, **_MX),
     },
 }

@@ -12,7 +12,10 @@ against the tensor or, for group and block strategies, its grouped view.
 
 Unlike compressed-tensors, `fake_quantize` always returns `x.dtype`
 (compressed-tensors returns the scale's dtype for tensor, channel, token and
-attention-head strategies).
+attention-head strategies), and float64 values are rounded to FP6 (e2m3)
+once: compressed-tensors 0.20 rounds them to float32 first, so a value a
+hair past a midpoint can land on the other side (`1.0625 + 1e-12` becomes
+1.0 there, 1.125 here; float32, bfloat16 and float16 agree bit for bit).
 
 Saturation. `fake_quantize` and `dequantize` clamp their results to the
 finite range of the dtype they return, so finite inputs under finite scales

@@ -68,6 +68,7 @@ import torch
 from quantobs.calibration import Recipe, attach, calibrate, text_batches
 from quantobs.calibration.transposed import linear_targets
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.peer_versions import COMPARE_TASK, check_fp6_schemes
 from quantobs.core.presets import preset_scheme
 from quantobs.observers.base import Observer
 from quantobs.observers.fit import ObjectiveFitWarning
@@ -417,9 +418,11 @@ def compare(
         The `Comparison`.
 
     Raises:
-        ValueError: fewer than 3 held-out texts, no texts, or a scheme the
-            model's layers cannot take (from `attach`, naming the layers).
+        ValueError: fewer than 3 held-out texts, no texts, a scheme the
+            model's layers cannot take (from `attach`, naming the layers), or
+            an FP6 one without compressed-tensors >= 0.20 (`check_fp6`).
     """
+    check_fp6_schemes(schemes, kv_cache_scheme, COMPARE_TASK)
     training = model.training
     model.eval()
     try:

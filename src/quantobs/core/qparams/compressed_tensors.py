@@ -53,7 +53,10 @@ arithmetic instead.
 
 MX scales (and optional power-of-two scales of other args) use
 `quantobs.core.qparams.pow2`: compressed-tensors rounds the amax to one
-mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up).
+mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up)
+for FP4 and FP8 elements, and (0.20) to the element's three for FP6 e2m3
+(`mantissa_bits=3`: 1.9375 or more goes up, so a block whose amax rounds to
+7.5 keeps the exponent that maps it to e2m3's largest value).
 """
 
 from __future__ import annotations
@@ -176,11 +179,17 @@ def _check_range_types(min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
         )
 
 
+#: MX element formats whose block maxima compressed-tensors rounds to their
+#: own mantissa width (0.20); the others are rounded to FP4's one bit.
+_MX_OWN_MANTISSA = frozenset({"float6_e2m3fn"})
+
+
 def _mx_scales(
     amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
 ) -> torch.Tensor:
     # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
-    return e8m0_scale(pow2_exponent(amax, rounding), fmt.emax)
+    bits = fmt.mantissa_bits if fmt.name in _MX_OWN_MANTISSA else 1
+    return e8m0_scale(pow2_exponent(amax, rounding, bits), fmt.emax)
 
 
 def _round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
