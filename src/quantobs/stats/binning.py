@@ -102,65 +102,63 @@ def _add_counts(
     has_nonfinite: bool,
 ) -> torch.Tensor:
     """Counts of `(N, Q, G)` values added to `out` `(Q, bins)`: bin
-    `floor(x * inv) - off` (of `|x|` when `absolute`).
+    `floor(x * inv) - off` (of `|x|` when `absolute`), clamped to `[0, bins)`.
 
-    NaN entries are counted in a trash bin that is dropped. Each block is
-    scaled, floored and shifted in one float32 workspace (exact: a power-of-
-    two scaling and a float32 floor), converted to int32 and counted by one
-    `bincount` over `qparam * stride + bin`.
+    NaN entries are counted in a trash bin that is dropped (every path skips
+    them: under a deferred NaN policy they may reach here unannounced, and
+    the counts of such a batch are discarded when its error is raised).
+    Each block is scaled, floored, shifted and clamped in one float32
+    workspace (exact: a power-of-two scaling and a float32 floor), converted
+    to int64 and counted by one `index_add_` over `qparam * stride + bin`:
+    no host read (a CUDA `bincount` reads the largest index first).
     """
     n, q, g = x3.shape
     bins = out.shape[-1]
     device = x3.device
-    offset, inv, off = off, inv.reshape(1, q, 1), off.reshape(1, q, 1)
-    stride = bins + 1 if has_nonfinite else bins  # bin `bins`: the trash
+    inv, off = inv.reshape(1, q, 1), off.reshape(1, q, 1)  # dim > 0: float32 math
+    stride = bins + 1  # bin `bins`: the trash
     blocks = _chunks(n, q, g, stride)
     size = max(
         (b[0].stop - b[0].start) * (b[1].stop - b[1].start) * (b[2].stop - b[2].start)
         for b in blocks
     )
     work = torch.empty(size, dtype=torch.float32, device=device)
-    index = torch.empty(size, dtype=torch.int32, device=device)
-    q_base = torch.arange(q, dtype=torch.int32, device=device).reshape(1, q, 1) * stride
+    index = torch.empty(size, dtype=torch.int64, device=device)
+    ones = torch.ones(1, dtype=torch.int64, device=device).expand(size)
+    q_base = torch.arange(q, dtype=torch.int64, device=device).reshape(1, q, 1) * stride
     convert = x3.dtype == torch.float64  # bin float32 roundings, as min/max do
-    # The only index outside [0, bins) comes from the underflow exception of
-    # the module docstring (cell 0 instead of -1), and only when cell 0 lies
-    # outside the window; clamp (one more pass) only then.
-    clamp = has_nonfinite or not bool(
-        ((offset <= 0) & (offset + bins > 0) | (offset >= 0)).all()
-    )
-    one = q == 1  # one qparam: Python scalars, and the counts summed once
-    scale: torch.Tensor | float = float(inv) if one else inv
-    shift: torch.Tensor | float = float(off) if one else off
-    found_all = []
+    one = q == 1  # one qparam: the counts summed once, over every block
+    total = torch.zeros(stride, dtype=torch.int64, device=device) if one else None
     for ns, qs, gs in blocks:
         block = x3[ns, qs, gs]
         shape = block.shape
         buf = work[: block.numel()].view(shape)
-        block_scale = scale if one else inv[:, qs]
+        block_scale = inv[:, qs]
         if convert:
             buf.copy_(block).mul_(block_scale)
         else:
             torch.mul(block, block_scale, out=buf)
         if absolute:
             buf.abs_()
-        buf.floor_().sub_(shift if one else off[:, qs])
-        if clamp:
-            buf.clamp_(0, bins - 1)
-        if has_nonfinite:
-            buf.nan_to_num_(nan=float(bins))
+        # The only finite index outside [0, bins) comes from the underflow
+        # exception of `quantobs.stats.histogram` (cell 0 instead of -1);
+        # infinities (a deferred NaN policy) clamp too. NaN: the trash.
+        buf.floor_().sub_(off[:, qs]).clamp_(0, bins - 1)
+        buf.nan_to_num_(nan=float(bins))
         idx = index[: block.numel()].view(shape)
         idx.copy_(buf)
         num_q = shape[1]
         if num_q > 1:
             idx.add_(q_base[:, :num_q])  # qparam (within the block) * stride
-        found = torch.bincount(idx.reshape(-1), minlength=num_q * stride)
-        if one:
-            found_all.append(found)
-        else:
-            out[qs] += found.view(num_q, stride)[:, :bins]
-    if found_all:
-        out += torch.stack(found_all).sum(dim=0)[:bins]
+        flat = idx.reshape(-1)
+        if total is not None:
+            total.index_add_(0, flat, ones[: flat.numel()])
+            continue
+        found = torch.zeros(num_q * stride, dtype=torch.int64, device=device)
+        found.index_add_(0, flat, ones[: flat.numel()])
+        out[qs] += found.view(num_q, stride)[:, :bins]
+    if total is not None:
+        out += total[:bins]
     return out
 
 
