@@ -162,4 +162,21 @@ def _add_counts(
     return out
 
 
+def _add_counts_gpu(
+    x3: torch.Tensor,
+    inv: torch.Tensor,
+    off: torch.Tensor,
+    out: torch.Tensor,
+    absolute: bool,
+    has_nonfinite: bool,
+) -> torch.Tensor | None:
+    """The Triton kernel (`quantobs.native.triton_histogram`), imported here,
+    for the first CUDA tensor: the dispatch calls it only where Triton
+    imports."""
+    from quantobs.native import triton_histogram  # imports Triton
+
+    return triton_histogram.add_counts(x3, inv, off, out, absolute, has_nonfinite)
+
+
 _add_counts.register("cpu", _add_counts_native)
+_add_counts.register("cuda", _add_counts_gpu)
