@@ -41,6 +41,7 @@ FACES: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
     "nvfp4": ("weight", NVFP4, (64, 256)),
     "mxfp4": ("weight", MXFP4, (64, 256)),
     "int8-input": ("input", {"num_bits": 8}, (2, 16, 256)),
+    "uint8-input-asym": ("input", {"num_bits": 8, "symmetric": False}, (2, 16, 256)),
     "fp8-input": ("input", {"num_bits": 8, "type": "float"}, (2, 16, 256)),
 }
 
@@ -139,6 +140,20 @@ OPTIONS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("omit-mse", "mse", "int4-group128", {"nan_policy": "omit"}),
     ("omit-static-mse", "static_mse", "int8-channel", {"nan_policy": "omit"}),
     ("propagate", "static_minmax", "nvfp4", {"nan_policy": "propagate"}),
+]
+# the histogram family's searches and policies beyond the defaults
+OPTIONS += [
+    ("torch-walk", "histogram", "int8-channel", {"mode": "torch"}),
+    ("torch-walk-tensor", "histogram", "int8-input", {"mode": "torch"}),
+    ("certified-channel", "histogram", "int8-channel", {"search": "certified"}),
+    ("batched-tensor", "histogram", "uint8-input-asym", {"search": "batched"}),
+    ("exhaustive-channel", "entropy", "int8-channel", {"search": "exhaustive"}),
+    ("coarse-tensor", "entropy", "uint8-input-asym", {"search": "coarse_to_fine"}),
+    ("bin-centers", "histogram_mse", "int8-channel", {"objective": "bin_centers"}),
+    ("uniform-tensor", "histogram_mse", "int8-input", {"objective": "uniform_bins"}),
+    ("abs-percentile", "percentile", "uint8-input-asym", {"symmetric_abs": True}),
+    ("omit-histogram", "histogram", "int8-channel", {"nan_policy": "omit"}),
+    ("omit-entropy", "entropy", "int8-input", {"nan_policy": "omit"}),
 ]
 OPTIONS += [
     ("discrete-nvfp4", "memoryless_mse", "nvfp4", {"scale_search": "discrete"}),
@@ -283,3 +298,37 @@ def test_faces_make_no_more_syncs(face: str) -> None:
     assert max(updates) <= most_update and syncs.count <= most_qparams, (
         f"{face}: {updates} per update, {syncs.count} for qparams"
     )
+
+
+@pytest.mark.filterwarnings("ignore::quantobs.observers.fit.ObjectiveFitWarning")
+@pytest.mark.parametrize(
+    "name", ["histogram", "percentile", "entropy", "histogram_mse"]
+)
+@pytest.mark.parametrize("face", ["int8-channel", "int4-group128", "uint8-input-asym"])
+def test_histogram_budget_whatever_the_size_and_batches(name: str, face: str) -> None:
+    # a wider tensor, more batches, each growing the range (every grid is
+    # re-binned on the device) and one holding NaN and inf (deferred)
+    base_name, kwargs, shape = FACES[face]
+    wide = (*shape[:-1], shape[-1] * 2)
+    x = torch.randn(wide, generator=torch.Generator().manual_seed(2))
+    bad = x.clone()
+    bad.view(-1)[::97] = float("nan")
+    bad.view(-1)[5] = float("inf")
+    batches = [x * (1 + i) for i in range(UPDATES)] + [bad]
+    cls = Observer.get_class(name)
+    for policy in ("raise", "omit"):
+        args = QuantizationArgs(**kwargs)
+        updates: list[int] = []
+        observer = cls(base_name, args, nan_policy=policy)
+        for batch in batches:
+            with SyncCounter() as syncs:
+                observer.update(batch.to(torch.bfloat16))
+            updates.append(syncs.count)
+        with SyncCounter() as syncs:
+            try:
+                observer.get_qparams()
+            except ValueError:  # "raise": the deferred error, after its read
+                assert policy == "raise"
+            else:
+                assert policy == "omit"
+        _check(name, updates, syncs.count)
