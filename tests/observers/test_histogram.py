@@ -12,6 +12,7 @@ import torch
 from quantobs import Observer, QuantizationArgs, flatten_for_calibration
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
 from quantobs.solvers.torch_l2 import torch_l2_search
+from tests.format_args import MXFP4 as _MXFP4
 from tests.format_args import NVFP4 as _NVFP4
 
 NAMES = ["histogram", "percentile", "entropy", "histogram_mse"]
@@ -328,3 +329,36 @@ def test_histogram_observer_pickles_after_a_refused_batch() -> None:
     for observer in (obs, loaded):
         with pytest.raises(ValueError, match="non-finite"):
             observer.get_qparams()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "groups", "mib"),
+    [
+        (_NVFP4, 8192 * 8192 // 16, 2048),
+        (_MXFP4, 8192 * 8192 // 32, 1024),
+        ({"num_bits": 4, "strategy": "group", "group_size": 128}, None, 256),
+    ],
+    ids=["nvfp4", "mxfp4", "int4-group128"],
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_per_group_histograms_of_a_large_weight_fit_or_refuse(
+    name: str, kwargs: dict[str, Any], groups: int | None, mib: int
+) -> None:
+    # An 8192 x 8192 weight, planned on the meta device: nothing allocated.
+    # NVFP4 / MX groups (16 / 32 values, 64 bins each) would need 2 / 1 GiB
+    # of int64 counts and are refused before any allocation (docs/
+    # architecture.md, "Histograms on a GPU"); int4 groups of 128 fit.
+    observer = _named(name, args=QuantizationArgs(**kwargs))
+    weight = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
+    if groups is not None:
+        with pytest.raises(
+            ValueError,
+            match=rf"would keep {groups} qparams x 64 bins .* \({mib} MiB\), above "
+            r"max_counts=67108864; use a coarser granularity",
+        ):
+            observer.update(weight)
+        return
+    observer.update(weight)
+    counts = observer.statistic().state()["counts"]
+    assert counts.shape == (8192, 64, 64)
+    assert counts.numel() * counts.element_size() == mib * 2**20
