@@ -108,6 +108,11 @@ __all__ = [
 ]
 
 
+# Most counts copied to the host for a host-deciding search (8192 channels
+# of 256 bins): the copy is read as Python floats with the deferred checks.
+_HOST_COPY_MAX = 1 << 21
+
+
 class HistogramStatObserver(Observer):
     """Base of the histogram observers: an exact `Histogram` per qparam.
 
@@ -230,10 +235,12 @@ class HistogramStatObserver(Observer):
     def _on_host(self, hist: Histogram) -> bool:
         """Whether `hist` is solved on a host copy: a host-deciding search of
         a device histogram (or of a CPU one on the torch path, which stands
-        for it)."""
+        for it) of at most `_HOST_COPY_MAX` counts (larger ones, only with
+        a host-deciding search chosen for many qparams, are searched on
+        their device, with its host reads)."""
         if hist.counts.device.type == "cpu" and native.available():
             return False
-        return self._host_search(hist)
+        return hist.counts.numel() <= _HOST_COPY_MAX and self._host_search(hist)
 
     def _extra_pending(self) -> torch.Tensor | None:
         stat = self.statistic()
