@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,47 @@ def test_observers_count_the_same_on_cuda(name: str) -> None:
         found[device] = observer.statistic().state()
     for field, value in found["cpu"].items():
         assert torch.equal(found["cuda"][field].cpu(), value), field
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the dispatch runs it (above)")
+@pytest.mark.parametrize(
+    ("base_name", "kwargs"),
+    [
+        ("weight", {"num_bits": 8, "strategy": "channel"}),
+        ("input", {"num_bits": 8, "symmetric": False}),
+    ],
+    ids=["channel", "tensor-asym"],
+)
+@pytest.mark.parametrize(
+    "name", ["histogram", "percentile", "entropy", "histogram_mse"]
+)
+def test_observers_count_the_same_through_the_kernel(
+    name: str,
+    base_name: str,
+    kwargs: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The interpreted kernel stands in for the CPU registration: whole
+    # observers (growing ranges, re-binning, |x|) against the torch path.
+    from quantobs import native
+    from quantobs.stats.binning import _add_counts
+
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(6))
+    found = {}
+    for path in ("triton", "torch"):
+        with monkeypatch.context() as patch:
+            if path == "triton":
+                patch.setitem(_add_counts._native, "cpu", _add_counts.native("cuda"))
+                patch.setattr(native, "available", lambda: True)
+            previous = native.set_enabled(path == "triton")
+            try:
+                observer = Observer.get_class(name)(
+                    base_name, QuantizationArgs(**kwargs)
+                )
+                for scale in (1.0, 3.0, 0.5):
+                    observer.update((x * scale).to(torch.bfloat16))
+                found[path] = observer.statistic().state()
+            finally:
+                native.set_enabled(previous)
+    for field, value in found["torch"].items():
+        assert torch.equal(found["triton"][field], value), field
