@@ -97,7 +97,7 @@ def plan(n: int, q: int, g: int, bins: int) -> tuple[int, int, int, int]:
     `n * g` values split in `slices` of `chunk` values (a multiple of the
     `block` a step reads: at most `_BLOCK`, at least 16) so that about
     `_PROGRAMS` programs run where qparams are few; the on-chip histogram
-    has the next power of two of `bins` bins."""
+    has the next power of two of `bins` bins (32 at least)."""
     per_q = n * g
     block = min(_BLOCK, max(16, _pow2(per_q)))
     steps = -(-per_q // block)  # blocks of one qparam's values
@@ -107,7 +107,8 @@ def plan(n: int, q: int, g: int, bins: int) -> tuple[int, int, int, int]:
         slices *= 2
         chunk = -(-steps // slices) * block
     slices = -(-per_q // chunk)
-    return slices, chunk, block, _pow2(bins)
+    # at least a warp's width of bins: the NVIDIA lowering splits them by lane
+    return slices, chunk, block, max(32, _pow2(bins))
 
 
 def add_counts(
