@@ -2,9 +2,11 @@
 against its torch reference (`quantobs.stats.binning._add_counts`), exactly.
 
 On CUDA where present; else on CPU tensors under Triton's interpreter,
-which Triton reads when the kernel is decorated: this module sets
-`TRITON_INTERPRET=1` before anything imports the kernel (it is imported
-lazily). Shapes are tiny (the interpreter runs each program in numpy):
+which must be on (`TRITON_INTERPRET=1`) before Triton is first imported:
+this module sets it at collection when nothing imported Triton yet (the
+kernel is imported lazily), and where something did (in a whole-suite run,
+llm-compressor's imports do) its tests run again in a fresh process.
+Shapes are tiny (the interpreter runs each program in numpy):
 per tensor (several programs per qparam: atomic adds), per channel and per
 group (one program per qparam), bf16 / fp16 / float32, |x|, NaN and
 infinities, bins that are not a power of two, grids from `histogram_grid`.
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,18 +27,27 @@ import torch
 from quantobs import Observer, QuantizationArgs
 from quantobs.native import gpu
 
-if not torch.cuda.is_available():
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton imported already, not interpreted: too late for this process
+_LATE = DEVICE == "cpu" and "triton" in sys.modules and not gpu.interpreted()
+if DEVICE == "cpu" and not _LATE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    not gpu.triton_importable(), reason="triton is not installed"
+)
 
-pytestmark = [
-    pytest.mark.skipif(not gpu.triton_importable(), reason="triton is not installed"),
-    pytest.mark.skipif(
-        DEVICE == "cpu" and not gpu.interpreted(),
-        reason="TRITON_INTERPRET is off: the kernel needs a GPU",
-    ),
-]
+
+@pytest.fixture(autouse=True)
+def _kernel_runs_here(request: pytest.FixtureRequest) -> None:
+    if request.node.name == "test_in_a_fresh_process":
+        return
+    if DEVICE == "cpu" and not gpu.interpreted():
+        pytest.skip(
+            "TRITON_INTERPRET is off here (Triton came first): a fresh process "
+            "runs these tests (test_in_a_fresh_process)"
+        )
+
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -186,3 +200,23 @@ def test_observers_count_the_same_through_the_kernel(
                 native.set_enabled(previous)
     for field, value in found["torch"].items():
         assert torch.equal(found["triton"][field], value), field
+
+
+@pytest.mark.skipif(not _LATE, reason="this process runs the tests itself")
+def test_in_a_fresh_process() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root / "src"), str(root), env.get("PYTHONPATH")) if p
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
