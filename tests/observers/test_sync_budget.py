@@ -270,6 +270,28 @@ PENDING_FACES: dict[str, tuple[Callable[[], Any], str, int, int]] = {
         3,
         5,
     ),
+    # the histogram faces keep their peers' float rules (torch.ao's range
+    # growth, Quark's growing histogram), which read Python floats
+    "torch_ao-Histogram": (_torch_ao("HistogramObserver"), "calculate_qparams", 15, 15),
+    "quark-PerTensorHistogram": (
+        _quark("PerTensorHistogramObserver"),
+        "_calculate_qparams",
+        13,
+        5,
+    ),
+    "quark-PerTensorHistogramPro": (
+        _quark("PerTensorHistogramObserverPro"),
+        "_calculate_qparams",
+        15,
+        12,
+    ),
+    "quark-PerTensorMSE": (_quark("PerTensorMSEObserver"), "_calculate_qparams", 13, 9),
+    "quark-PerTensorPercentile": (
+        _quark("PerTensorPercentileObserver"),
+        "_calculate_qparams",
+        14,
+        7,
+    ),
     "quark-PerChannelMinMax": (
         _quark(
             "PerChannelMinMaxObserver",
