@@ -4,7 +4,10 @@ Bin of a value `x` on the grid `(exponent, offset)` of its qparam:
 `floor(x * 2**-exponent) - offset` (of `|x|` for absolute histograms),
 exact in float32: a power-of-two scaling and a floor (see
 `quantobs.stats.histogram` for the one documented exception). One kernel:
-torch ops in blocks of bounded memory, or one native pass on CPU.
+torch ops in blocks of bounded memory with no host read, one native pass on
+CPU, or the Triton kernel on CUDA (`quantobs.native.triton_histogram`); all
+three skip NaN and clamp other values to the window, and count the same
+integers.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ def bin_counts(
     """Add the counts of `x_flat` on the given grids to `out` `(Q, bins)` int64.
 
     Args:
-        x_flat: `(N, *Q, G)` values; NaN entries are skipped when
-            `has_nonfinite` (other non-finite values must not be present).
+        x_flat: `(N, *Q, G)` values; NaN entries are skipped (infinities,
+            from a batch whose NaN policy raises later, clamp to the ends).
         exponent: `(Q,)` int64 grid exponents (bin width `2**exponent`).
         offset: `(Q,)` int64 cell number of each grid's bin 0.
         out: `(Q, bins)` int64 counts, updated in place.
         absolute: count `|x|`.
-        has_nonfinite: `x_flat` holds NaN entries to skip.
+        has_nonfinite: `x_flat` holds NaN entries to skip (NaN is skipped
+            either way; kept for the kernels' signature).
     """
     n, g = x_flat.shape[0], x_flat.shape[-1]
     x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
