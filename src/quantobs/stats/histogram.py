@@ -57,9 +57,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from quantobs.native.dispatch import kernel
 from quantobs.stats.base import Batch, Field, Reduce, Statistic
 from quantobs.stats.binning import bin_counts
+from quantobs.stats.rebinning import rebin_counts
 from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
 
 if TYPE_CHECKING:
@@ -311,14 +311,14 @@ def rebin(hist: Histogram, exponent: torch.Tensor, offset: torch.Tensor) -> Hist
     Returns:
         The histogram on the new grid (same ranges). Qparams whose grid did not
         change keep their counts; the rest move with one `scatter_add_`
-        (`_rebin_counts`: on the device, every row, with no host read).
+        (`quantobs.stats.rebinning`: on a device, every row, with no host read).
     """
     if hist.bins == 0:  # a placeholder without bins: nothing to move
         return replace(hist, exponent=exponent, offset=offset)
     changed = (exponent != hist.exponent) | (offset != hist.offset)
     changed &= hist.min_vals <= hist.max_vals  # qparams with no data: all zeros
     rows = hist.counts.reshape(-1, hist.bins)
-    counts = _rebin_counts(
+    counts = rebin_counts(
         rows,
         changed.reshape(-1),
         hist.offset.reshape(-1),
@@ -330,81 +330,6 @@ def rebin(hist: Histogram, exponent: torch.Tensor, offset: torch.Tensor) -> Hist
     return replace(
         hist, counts=counts.view(hist.counts.shape), exponent=exponent, offset=offset
     )
-
-
-def _moved(
-    counts: torch.Tensor,
-    old_offset: torch.Tensor,
-    shift: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor:
-    """`counts` `(R, bins)` on the new grids: old cell `c` goes to new bin
-    `(c >> shift) - offset` (`(R,)` each; shift 0 and the same offset: in place)."""
-    bins = counts.shape[-1]
-    old_cells = old_offset[:, None] + torch.arange(
-        bins, device=counts.device
-    )  # (R, bins) cell numbers on the old grid
-    new_index = (old_cells >> shift.clamp(0, 63)[:, None]) - offset[:, None]
-    # Bins outside the new window are empty (the window covers the data).
-    new_index.clamp_(0, bins - 1)
-    return torch.zeros_like(counts).scatter_add_(1, new_index, counts)
-
-
-# Rows re-binned per step of the device path (int64 temporaries of this size).
-_REBIN_ELEMS = 1 << 22
-
-
-@kernel
-def _rebin_counts(
-    counts: torch.Tensor,
-    changed: torch.Tensor,
-    old_offset: torch.Tensor,
-    shift: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor:
-    """`counts` `(Q, bins)` with the `changed` `(Q,)` rows moved (`_moved`).
-
-    The reference moves every row (an unchanged one onto itself: shift 0,
-    the same offset), in blocks of bounded memory, with no host read: the
-    path of device tensors. The CPU registration reads which rows changed
-    (free on the host) and moves only those, returning `counts` itself
-    where none did.
-    """
-    bins = counts.shape[-1]
-    # unchanged rows: shift 0 onto their own offset (empty rows stay empty)
-    shift = torch.where(changed, shift, 0)
-    offset = torch.where(changed, offset, old_offset)
-    step = max(1, _REBIN_ELEMS // max(1, bins))
-    if counts.numel() == 0:
-        return counts.clone()
-    return torch.cat(
-        [
-            _moved(
-                counts[r : r + step],
-                old_offset[r : r + step],
-                shift[r : r + step],
-                offset[r : r + step],
-            )
-            for r in range(0, counts.shape[0], step)
-        ]
-    )
-
-
-def _rebin_counts_cpu(
-    counts: torch.Tensor,
-    changed: torch.Tensor,
-    old_offset: torch.Tensor,
-    shift: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor | None:
-    if not bool(changed.any()):
-        return counts
-    rows = changed.nonzero().squeeze(1)
-    moved = _moved(counts[rows], old_offset[rows], shift[rows], offset[rows])
-    return counts.index_copy(0, rows, moved)
-
-
-_rebin_counts.register("cpu", _rebin_counts_cpu)
 
 
 def widen(hist: Histogram, lo: torch.Tensor, hi: torch.Tensor) -> Histogram:
