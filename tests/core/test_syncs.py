@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from quantobs.core.syncs import SyncCounter, count_syncs
+from quantobs.core.syncs import SyncCounter, count_syncs, on_host
 
 X = torch.tensor([0.5, -1.0, 2.0, 0.0])
 
@@ -67,3 +67,17 @@ def test_the_counter_restores_the_tensor_methods() -> None:
     assert torch.Tensor.tolist is tolist
     assert X.tolist() == [0.5, -1.0, 2.0, 0.0]
     assert counter.count == 2  # not counted outside
+
+
+def test_work_on_host_copies_is_not_counted() -> None:
+    with SyncCounter() as counter:
+        values = X.tolist()  # the read that brings the data to the host
+        with on_host():  # work on the copy: its reads wait for nothing
+            copy = torch.tensor(values)
+            assert bool(copy.any()) and copy.nonzero().numel() == 3
+            copy.tolist()
+            with on_host():  # nested blocks
+                float(copy.max())
+        float(X.max())  # outside again: counted
+    assert counter.count == 2, dict(counter.by_op)
+    assert counter.by_op == {"tolist": 1, "aten._local_scalar_dense.default": 1}

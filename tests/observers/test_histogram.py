@@ -12,6 +12,7 @@ import torch
 from quantobs import Observer, QuantizationArgs, flatten_for_calibration
 from quantobs.observers import HistogramL2Observer, HistogramStatObserver
 from quantobs.solvers.torch_l2 import torch_l2_search
+from tests.format_args import MXFP4 as _MXFP4
 from tests.format_args import NVFP4 as _NVFP4
 
 NAMES = ["histogram", "percentile", "entropy", "histogram_mse"]
@@ -170,8 +171,22 @@ def test_state_dict_round_trip_then_continue(name: str) -> None:
 def test_nan_policy(name: str) -> None:
     x = torch.randn(4, 16, generator=_gen(7))
     x[1, 2], x[2, :] = math.nan, -math.inf
-    with pytest.raises(ValueError, match=r"got 17 non-finite value\(s\)"):
-        _named(name, bins=64).update(x)
+    # update reads nothing on the host (issue 24): the error waits for
+    # qparams, and stays until reset (the counts of such a batch are void)
+    for args in (None, QuantizationArgs(num_bits=8, strategy="channel")):
+        raising = _named(name, bins=64) if args is None else _named(name, args=args)
+        raising.update(x)
+        raising.update(torch.randn(4, 16, generator=_gen(8)))
+        for _ in range(2):
+            with pytest.raises(
+                ValueError,
+                match=rf"got non-finite value\(s\) \(NaN or inf\) in "
+                rf"{1 if args is None else 2} qparam range\(s\)",
+            ):
+                raising.get_qparams()
+        raising.reset()
+        raising.update(x[:1])  # finite
+        raising.get_qparams()
     args = QuantizationArgs(num_bits=8, strategy="channel")
     observer = _named(name, args=args, bins=64, nan_policy="omit")
     observer.update(x)
@@ -279,17 +294,18 @@ def test_speculative_observer_handles_nonfinite_like_two_passes(
             "histogram", base_name="input", args=args, nan_policy=policy
         )
         obs.update(x)
-        if policy == "raise":
-            with pytest.raises(ValueError, match="3 non-finite"):
-                obs.update(bad)
-        else:
-            obs.update(bad)
+        obs.update(bad)  # under "raise" the error waits for qparams
         obs.update(x * 2)
         return obs
 
     fast = run()
     monkeypatch.setattr(observers, "speculate", lambda hist, x_flat: None)
     slow = run()
+    if policy == "raise":  # the counts are void: both raise
+        for obs in (fast, slow):
+            with pytest.raises(ValueError, match=r"non-finite value\(s\)"):
+                obs.get_qparams()
+        return
     for name, value in slow.statistic().state().items():
         assert torch.equal(fast.statistic().state()[name], value), name
 
@@ -301,11 +317,48 @@ def test_histogram_observer_pickles_after_a_refused_batch() -> None:
     obs.update(x)
     bad = x.clone()
     bad[0, 0] = math.nan
-    with pytest.raises(ValueError, match="non-finite"):
-        obs.update(bad)  # speculated, then refused by the NaN policy
+    obs.update(bad)  # speculated; the NaN policy raises at qparams time
     buffer = io.BytesIO()
     torch.save(obs, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     for name, value in obs.statistic().state().items():
-        assert torch.equal(loaded.statistic().state()[name], value)
+        torch.testing.assert_close(
+            loaded.statistic().state()[name], value, rtol=0, atol=0, equal_nan=True
+        )
+    for observer in (obs, loaded):
+        with pytest.raises(ValueError, match="non-finite"):
+            observer.get_qparams()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "groups", "mib"),
+    [
+        (_NVFP4, 8192 * 8192 // 16, 2048),
+        (_MXFP4, 8192 * 8192 // 32, 1024),
+        ({"num_bits": 4, "strategy": "group", "group_size": 128}, None, 256),
+    ],
+    ids=["nvfp4", "mxfp4", "int4-group128"],
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_per_group_histograms_of_a_large_weight_fit_or_refuse(
+    name: str, kwargs: dict[str, Any], groups: int | None, mib: int
+) -> None:
+    # An 8192 x 8192 weight, planned on the meta device: nothing allocated.
+    # NVFP4 / MX groups (16 / 32 values, 64 bins each) would need 2 / 1 GiB
+    # of int64 counts and are refused before any allocation (docs/
+    # architecture.md, "Histograms on a GPU"); int4 groups of 128 fit.
+    observer = _named(name, args=QuantizationArgs(**kwargs))
+    weight = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
+    if groups is not None:
+        with pytest.raises(
+            ValueError,
+            match=rf"would keep {groups} qparams x 64 bins .* \({mib} MiB\), above "
+            r"max_counts=67108864; use a coarser granularity",
+        ):
+            observer.update(weight)
+        return
+    observer.update(weight)
+    counts = observer.statistic().state()["counts"]
+    assert counts.shape == (8192, 64, 64)
+    assert counts.numel() * counts.element_size() == mib * 2**20

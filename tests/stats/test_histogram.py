@@ -197,3 +197,31 @@ def test_merge_refuses_different_layouts() -> None:
         merge_histograms(a, histogram_of(torch.randn(4, 3, 3), 16))
     with pytest.raises(ValueError, match="absolute=True"):
         merge_histograms(a, histogram_of(torch.randn(4, 2, 3), 16, absolute=True))
+
+
+def test_rebinning_every_row_equals_moving_the_changed_ones() -> None:
+    # the device path (every row, no host read) and the CPU path (changed
+    # rows only) of `rebin_counts`, on grids grown by `widen`
+    from quantobs.stats.rebinning import rebin_counts
+
+    gen = torch.Generator().manual_seed(11)
+    x = (
+        torch.randn(3, 6, 40, generator=gen)
+        * torch.tensor([1, 1, 9, 1, 50, 1.0])[:, None]
+    )
+    hist = histogram_of(x, 64)
+    grown = hist.max_vals * torch.tensor([1, 3, 1, 1, 2, 1.0])  # rows 1, 4 grow
+    exponent, offset = histogram_grid(hist.min_vals, grown, 64)
+    args = (
+        hist.counts,
+        (exponent != hist.exponent) | (offset != hist.offset),
+        hist.offset,
+        exponent - hist.exponent,
+        offset,
+    )
+    assert 0 < int(args[1].sum()) < 6
+    every = rebin_counts.torch(*args)
+    assert torch.equal(every, rebin_counts.native("cpu")(*args))
+    assert torch.equal(every.sum(dim=1), hist.counts.sum(dim=1))
+    unchanged = ~args[1]
+    assert torch.equal(every[unchanged], hist.counts[unchanged])

@@ -24,18 +24,45 @@ What counts (each call once):
     aten.index(_put)                    a boolean index (t[mask], t[mask] = v)
     aten.histc                          min == max (the range read from the data)
     Tensor.tolist, Tensor.numpy         a copy to the host
+
+Work on a host copy (`on_host`): data already brought to the host in a
+counted read (e.g. a small histogram read with the deferred checks) is then
+worked on with CPU tensors, whose reads wait for nothing. `SyncCounter`
+cannot tell those CPU tensors from the device tensors it stands in for in a
+CPU-only test, so such code runs inside `with on_host():`, and what it does
+is not counted. Only copies made by a counted read belong there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncCounter", "count_syncs"]
+__all__ = ["SyncCounter", "count_syncs", "on_host"]
+
+_HOST = threading.local()  # depth of `on_host` blocks in this thread
+
+
+@contextlib.contextmanager
+def on_host() -> Iterator[None]:
+    """Mark work on host copies of device data (module docstring): the
+    reads it makes are free, and `SyncCounter` does not count them."""
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.depth -= 1
+
+
+def _counting() -> bool:
+    return getattr(_HOST, "depth", 0) == 0
+
 
 _aten = torch.ops.aten
 
@@ -109,7 +136,7 @@ class SyncCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _syncs(func, args, kwargs):
+        if _counting() and _syncs(func, args, kwargs):
             self._record(str(func))
         return func(*args, **kwargs)
 
@@ -130,7 +157,8 @@ class SyncCounter(TorchDispatchMode):
 
     def _counting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._record(name)
+            if _counting():
+                self._record(name)
             return original(tensor, *args, **kwargs)
 
         return counted

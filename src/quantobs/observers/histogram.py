@@ -58,6 +58,7 @@ int8), all of them for asymmetric args on non-negative data, `2 **
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import abstractmethod
 from dataclasses import replace
@@ -65,8 +66,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from quantobs import native
+from quantobs.core.syncs import on_host
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.observers.fit import warn_if_unfit
+from quantobs.observers.histogram_host import HostCopy
 from quantobs.observers.histogram_options import (
     EntropyOptions,
     HistogramL2Options,
@@ -104,6 +108,11 @@ __all__ = [
 ]
 
 
+# Most counts copied to the host for a host-deciding search (8192 channels
+# of 256 bins): the copy is read as Python floats with the deferred checks.
+_HOST_COPY_MAX = 1 << 21
+
+
 class HistogramStatObserver(Observer):
     """Base of the histogram observers: an exact `Histogram` per qparam.
 
@@ -114,9 +123,10 @@ class HistogramStatObserver(Observer):
     statistic_cls = Histogram
     Options: ClassVar[type[ObserverOptions]] = HistogramOptions
     options: HistogramOptions
-    # The NaN policy checks each batch at once: counting its values on its
-    # grid needs finite ones (issue 24 continues with the histograms).
-    defer_checks = False
+    # The NaN policy is deferred to qparams time (issue 24): a batch with
+    # non-finite values is counted (NaN skipped, infinities clamped to the
+    # end bins) and its error raised before any range is solved.
+    defer_checks = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,6 +134,7 @@ class HistogramStatObserver(Observer):
         self._values_per_qparam: int | None = None  # G of the last batch
         self._known_bins: int | None = None  # bins of the last statistic held
         self._solved = SolveCache()
+        self._host = HostCopy()
 
     def _absolute(self) -> bool:
         return False
@@ -213,7 +224,46 @@ class HistogramStatObserver(Observer):
             tensors, (self.args, self.options), lambda: self._solved_range(stat)
         )
 
+    # ------------------------------------------- searches run on the host
+
+    def _host_search(self, hist: Histogram) -> bool:
+        """Whether this observer's search decides step by step on the host
+        (`quantobs.observers.histogram_host`); default: no, it runs on the
+        histogram's device with no host read."""
+        return False
+
+    def _on_host(self, hist: Histogram) -> bool:
+        """Whether `hist` is solved on a host copy: a host-deciding search of
+        a device histogram (or of a CPU one on the torch path, which stands
+        for it) of at most `_HOST_COPY_MAX` counts (larger ones, only with
+        a host-deciding search chosen for many qparams, are searched on
+        their device, with its host reads)."""
+        if hist.counts.device.type == "cpu" and native.available():
+            return False
+        return hist.counts.numel() <= _HOST_COPY_MAX and self._host_search(hist)
+
+    def _extra_pending(self) -> torch.Tensor | None:
+        stat = self.statistic()
+        if not isinstance(stat, Histogram) or not self._on_host(stat):
+            return None
+        return self._host.ask(stat)  # read with the deferred checks
+
+    def _settle_extra(self, values: list[float]) -> None:
+        self._host.take(values)
+
     def _solved_range(self, stat: Histogram) -> Range:
+        copy = self._host.get(stat) if self._on_host(stat) else None
+        if copy is None:
+            return self._range_of(stat)
+        with on_host():  # read already: the search's reads are free
+            found = torch.stack(self._range_of(copy))
+        device = stat.min_vals.device
+        if device.type == "cuda":  # a pinned copy waits for no kernel
+            found = found.pin_memory()
+        found = found.to(device, non_blocking=True)
+        return found[0], found[1]
+
+    def _range_of(self, stat: Histogram) -> Range:
         min_vals, max_vals = self._solve(stat)
         # Qparams that saw no finite value: the empty range (base -> (0, 0)).
         empty = stat.min_vals > stat.max_vals
@@ -239,6 +289,16 @@ class HistogramL2Observer(HistogramStatObserver):
 
     Options = HistogramL2Options
     options: HistogramL2Options
+
+    def _host_search(self, hist: Histogram) -> bool:
+        # torch.ao's walk and the certified search decide on the host; the
+        # batched search and the float formats' MSE search do not
+        if self.options.mode == "torch":
+            return True
+        if self.args.format.is_float:
+            return False
+        search = self.options.search
+        return not self._several(hist) if search == "auto" else search == "certified"
 
     def _solve(self, hist: Histogram) -> Range:
         lo, width = hist.edges()
@@ -306,6 +366,11 @@ class EntropyObserver(HistogramStatObserver):
     Options = EntropyOptions
     options: EntropyOptions
 
+    def _host_search(self, hist: Histogram) -> bool:
+        # the exhaustive search groups qparams by their data on the host
+        search = self.options.search
+        return not self._several(hist) if search == "auto" else search == "exhaustive"
+
     def _absolute(self) -> bool:
         return True
 
@@ -321,8 +386,15 @@ class EntropyObserver(HistogramStatObserver):
         one_signed = (hist.min_vals >= 0).reshape(-1)
         return torch.where(one_signed, every, every // 2)
 
+    def _level_choices(self) -> tuple[int, int]:
+        """The two values `_levels` chooses between per qparam (asymmetric)."""
+        fmt = self.args.format
+        every = int(fmt.max - fmt.min) + 1
+        return every, every // 2
+
     def _solve(self, hist: Histogram) -> Range:
         _, width = hist.edges()
+        levels = self._levels(hist)
         amax = torch.maximum(-hist.min_vals, hist.max_vals)
         several = self._several(hist)
         start_bin = self.options.start_bin
@@ -334,11 +406,12 @@ class EntropyObserver(HistogramStatObserver):
         threshold = entropy_search(
             hist.counts,
             width,
-            self._levels(hist),
+            levels,
             start_bin=start_bin,
             stride=self.options.stride,
             amax=amax,
             search=search,
+            level_choices=self._level_choices() if torch.is_tensor(levels) else None,
         )
         return _within(hist, threshold)
 
@@ -364,7 +437,7 @@ class HistogramMSEObserver(HistogramStatObserver):
                 else "bin_centers"
             )
         search = (
-            histogram_mse_uniform
+            functools.partial(histogram_mse_uniform, widths_positive=True)
             if objective == "uniform_bins"
             else histogram_mse_search
         )

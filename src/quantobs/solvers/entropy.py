@@ -274,6 +274,22 @@ def _check_levels(levels: torch.Tensor, num_q: int, given: object) -> None:
         raise ValueError(f"num_quantized_bins must be >= 1, got {given!r}")
 
 
+def _host_levels(
+    given: int | torch.Tensor, choices: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """The level counts known on the host (an int, or the caller's
+    `choices` for a tensor), checked there; None: read them from the tensor."""
+    if isinstance(given, int) and not isinstance(given, bool):
+        choices = (given,)
+    if choices is None:
+        return None
+    if not choices or any(
+        isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in choices
+    ):
+        raise ValueError(f"num_quantized_bins must be >= 1, got {given!r}")
+    return tuple(choices)
+
+
 def _exhaustive(
     h: torch.Tensor,
     stop: torch.Tensor,
@@ -309,7 +325,11 @@ def _exhaustive(
 
 @kernel
 def coarse_to_fine(
-    counts: torch.Tensor, levels: torch.Tensor, start_bin: int, stride: int
+    counts: torch.Tensor,
+    levels: torch.Tensor,
+    start_bin: int,
+    stride: int,
+    choices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The module docstring's coarse-to-fine search over int64 counts `(Q,
     bins)` of |x| with `(Q,)` levels: `(Q,)` int64 chosen clip bins (0 where
@@ -323,8 +343,14 @@ def coarse_to_fine(
     moves `-4 .. 4` steps around each of the 2 best (clamped). Best: least
     KL, the larger candidate among ties. A kernel: the native pass
     (registered for "cpu") runs each row to the end in one loop.
+
+    Here every row is scored in fixed-size blocks, once per distinct level
+    count (`choices`, the values `levels` may hold: given, no host read is
+    made; else read from `levels`), each row keeping the search of its own
+    count: no host read decides anything.
     """
-    _check_levels(levels, counts.shape[0], levels)
+    if choices is None:
+        _check_levels(levels, counts.shape[0], levels)
     h, stop = _prepared(counts)
     num_q, bins = h.shape
     device = h.device
@@ -332,26 +358,31 @@ def coarse_to_fine(
     cands = torch.arange(min(start_bin, bins + 1), bins + 1, stride, device=device)
     if cands.numel() == 0:
         return best
-    for count in torch.unique(levels).tolist():
-        group = (levels == count).nonzero().squeeze(1)
-        q_step = max(1, _CHUNK_ELEMS // max(1, cands.numel()))
-        for q0 in range(0, group.numel(), q_step):
-            rows = group[q0 : q0 + q_step]
+    if choices is None:
+        choices = tuple(int(c) for c in torch.unique(levels).tolist())
+    q_step = max(1, _CHUNK_ELEMS // max(1, cands.numel()))
+    for count in choices:
+        mine = levels == count  # (Q,) rows searched with this count
+        for q0 in range(0, num_q, q_step):
+            rows = slice(q0, q0 + q_step)
             hr = h[rows]
             possible = (cands[None, :] <= stop[rows, None]) & (hr[:, cands - 1] > 0)
             # possible candidates first, in increasing order: (R, C)
             order = torch.argsort((~possible).to(torch.uint8), dim=1, stable=True)
             packed = cands[order]
             top = possible.sum(dim=1, keepdim=True) - 1  # (R, 1) last index
-            live = (top[:, 0] >= 0).nonzero().squeeze(1)
-            if live.numel():
-                chosen = _refine(hr[live], packed[live], top[live], int(count))
-                best[rows[live]] = chosen
+            live = (top[:, 0] >= 0) & mine[rows]  # rows without any: 0
+            chosen = _refine(hr, packed, top.clamp(min=0), int(count))
+            best[rows] = torch.where(live, chosen, best[rows])
     return best
 
 
 def _coarse_to_fine_native(
-    counts: torch.Tensor, levels: torch.Tensor, start_bin: int, stride: int
+    counts: torch.Tensor,
+    levels: torch.Tensor,
+    start_bin: int,
+    stride: int,
+    choices: tuple[int, ...] | None = None,
 ) -> torch.Tensor | None:
     return native.entropy_search_rows(
         counts, levels, start_bin, stride, _COARSE, _KEEP, _REACH
@@ -361,11 +392,24 @@ def _coarse_to_fine_native(
 coarse_to_fine.register("cpu", _coarse_to_fine_native)
 
 
+def _refine_levels(candidates: int) -> int:
+    """Refinement levels the widest row of `candidates` can need (the loop
+    of `_refine` runs while a row's step exceeds 1)."""
+    step = (candidates - 1 + _COARSE - 2) // (_COARSE - 1)
+    levels = 0
+    while step > 1:
+        step = max(1, (step + _REACH - 1) // _REACH)
+        levels += 1
+    return levels
+
+
 def _refine(
     h: torch.Tensor, packed: torch.Tensor, top: torch.Tensor, levels: int
 ) -> torch.Tensor:
     """Coarse-to-fine over the index `m = 0 .. top` of each row's candidates
-    `packed` `(R, C)` (`coarse_to_fine`); returns the `(R,)` chosen ones."""
+    `packed` `(R, C)` (`coarse_to_fine`); returns the `(R,)` chosen ones.
+    Each row refines while its own step exceeds 1: as many levels as the
+    widest row can need run, each leaving finished rows as they were."""
     rows = h.shape[0]
     device = h.device
     c_step = max(1, _CHUNK_ELEMS // (rows * (levels + 1)))
@@ -384,7 +428,7 @@ def _refine(
     chosen = score((2 * ticks * top + _COARSE - 1) // (2 * (_COARSE - 1)))
     step = (top + _COARSE - 2) // (_COARSE - 1)  # (R, 1) candidates apart
     moves = torch.arange(-_REACH, _REACH + 1, device=device)
-    while bool((step > 1).any()):
+    for _ in range(_refine_levels(packed.shape[1])):
         active = step > 1  # rows still refining (the others are done)
         step = torch.where(
             active, torch.clamp((step + _REACH - 1) // _REACH, min=1), step
@@ -403,6 +447,7 @@ def entropy_search(
     stride: int = 1,
     amax: torch.Tensor | None = None,
     search: EntropySearch = "exhaustive",
+    level_choices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The clipping threshold of least KL divergence, per qparam.
 
@@ -418,6 +463,10 @@ def entropy_search(
             of the last non-empty bin.
         search: `"exhaustive"` (every candidate) or `"coarse_to_fine"` (see
             the module docstring).
+        level_choices: for a tensor `num_quantized_bins`, the values it may
+            hold (ints >= 1), if the caller knows them: the coarse-to-fine
+            search then reads nothing of it on the host (the caller vouches
+            for its values; else they are checked, and read).
 
     Returns:
         `(*Q,)` float64 thresholds (0 where a qparam has no counts).
@@ -439,11 +488,18 @@ def entropy_search(
     num_q = rows.shape[0]
     device = rows.device
     levels = torch.as_tensor(num_quantized_bins, device=device).reshape(-1)
-    _check_levels(levels, num_q, num_quantized_bins)
+    choices = _host_levels(num_quantized_bins, level_choices)
+    if choices is None:
+        _check_levels(levels, num_q, num_quantized_bins)
+    elif levels.numel() not in (1, num_q):
+        raise ValueError(
+            f"num_quantized_bins must be an int or a ({num_q},) tensor of ints, "
+            f"got {num_quantized_bins!r}"
+        )
     levels = levels.expand(num_q) if levels.numel() == 1 else levels
     width64 = width.reshape(-1).to(torch.float64)
     if search == "coarse_to_fine":
-        best = coarse_to_fine(rows, levels.to(torch.int64), start_bin, stride)
+        best = coarse_to_fine(rows, levels.to(torch.int64), start_bin, stride, choices)
         found = best > 0
         stop = None
         has_data = (rows > 0).any(dim=1)

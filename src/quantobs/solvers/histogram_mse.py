@@ -140,11 +140,15 @@ def histogram_mse_uniform(
     maxshrink: float = 0.8,
     grid: float = 100.0,
     absolute: bool = False,
+    widths_positive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`histogram_mse_search`'s candidates, scored with values spread evenly
     in their bins (the module docstring): integer formats, `norm=2` only.
 
-    Args: as `histogram_mse_search`'s.
+    Args: as `histogram_mse_search`'s, and
+        widths_positive: the caller knows every `width` is > 0 (a
+            `Histogram`'s power-of-two bins): the check, a host read, is
+            skipped.
 
     Returns:
         `(min_vals, max_vals)`, each `(*Q,)` float32 (`(0, 0)` where a qparam
@@ -156,7 +160,7 @@ def histogram_mse_uniform(
             spread in a bin need one; `histogram_mse_search` takes it).
     """
     _check(maxshrink, grid, norm)
-    if bool((width <= 0).any()):
+    if not widths_positive and bool((width <= 0).any()):
         raise ValueError(
             "the uniform-bin histogram MSE needs bin widths > 0; use "
             "objective='bin_centers' (histogram_mse_search) for a histogram of "

@@ -96,10 +96,11 @@ def symmetric_search(
     for q0 in range(0, num_q, block):
         part = slice(q0, q0 + block)
         rows = counts[part].to(torch.float64)
-        # k = first .. ceil(amax): at most bins + 2 whole-bin amax values
+        # k = first .. ceil(amax): at most bins + 2 whole-bin amax values, so
+        # bins + 2 ticks, no host read; ticks past ceil(amax) repeat amax,
+        # which the first minimum never picks over amax itself
         first = torch.clamp(torch.floor(amax[part]) - bins, min=1.0)  # (q,)
-        count = int((torch.ceil(amax[part]) - first).max()) + 1
-        ticks = torch.arange(count, dtype=torch.float64, device=counts.device)
+        ticks = torch.arange(bins + 2, dtype=torch.float64, device=counts.device)
         params = torch.minimum(first[:, None] + ticks, amax[part, None])  # (q, K)
         scale = params / half
         lo_u = (qmin - 0.5) * scale - origin[part, None]
@@ -129,6 +130,17 @@ def _top(errors: torch.Tensor, params: torch.Tensor, k: int) -> torch.Tensor:
     return torch.gather(params, 1, index[..., None].expand(-1, -1, params.shape[2]))
 
 
+def _levels_needed(bins: int) -> int:
+    """Refinement levels of the widest data (`bins` bins): the first runs
+    always, the next while the step `ceil(bins / _GRID)` stays above 1."""
+    step, levels = -(-bins // _GRID), 0
+    while True:
+        step = max(1, -(-step // _REACH))
+        levels += 1
+        if step <= 1:
+            return levels
+
+
 def _asymmetric_block(
     rows: torch.Tensor, first: torch.Tensor, last: torch.Tensor, levels: int
 ) -> torch.Tensor:
@@ -149,14 +161,18 @@ def _asymmetric_block(
     step = torch.ceil((last - first) / _GRID)  # (Q,)
     offsets = torch.arange(-_REACH, _REACH + 1, dtype=torch.float64, device=device)
     moves = torch.cartesian_prod(offsets, offsets)  # (M, 2)
-    while True:
+    # Levels run while any row of the block still has a step > 1 (each row
+    # refines at every level); on the device: as many levels as the widest
+    # data can need, each after the last kept only where `going` (no host
+    # read, the same result).
+    going = torch.ones((), dtype=torch.bool, device=device)
+    for _ in range(_levels_needed(bins)):
         fine = torch.clamp(torch.ceil(step / _REACH), min=1)  # (Q,)
         grid = params[:, :, None, :] + moves * fine[:, None, None, None]  # (Q, T, M, 2)
         grid = grid.reshape(num_q, -1, 2).clamp(0, bins)  # (Q, T * M, 2)
-        params = _top(score(grid), grid, _TOP)  # (Q, T, 2)
-        step = fine
-        if not bool((step > 1).any()):
-            break
+        params = torch.where(going, _top(score(grid), grid, _TOP), params)  # (Q, T, 2)
+        step = torch.where(going, fine, step)
+        going = going & (step > 1).any()
     if exact:
         unit = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64, device=device)
         near = params[:, :, None, :] + torch.cartesian_prod(unit, unit)  # (Q, T, 9, 2)

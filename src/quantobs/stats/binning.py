@@ -4,7 +4,10 @@ Bin of a value `x` on the grid `(exponent, offset)` of its qparam:
 `floor(x * 2**-exponent) - offset` (of `|x|` for absolute histograms),
 exact in float32: a power-of-two scaling and a floor (see
 `quantobs.stats.histogram` for the one documented exception). One kernel:
-torch ops in blocks of bounded memory, or one native pass on CPU.
+torch ops in blocks of bounded memory with no host read, one native pass on
+CPU, or the Triton kernel on CUDA (`quantobs.native.triton_histogram`); all
+three skip NaN and clamp other values to the window, and count the same
+integers.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ def bin_counts(
     """Add the counts of `x_flat` on the given grids to `out` `(Q, bins)` int64.
 
     Args:
-        x_flat: `(N, *Q, G)` values; NaN entries are skipped when
-            `has_nonfinite` (other non-finite values must not be present).
+        x_flat: `(N, *Q, G)` values; NaN entries are skipped (infinities,
+            from a batch whose NaN policy raises later, clamp to the ends).
         exponent: `(Q,)` int64 grid exponents (bin width `2**exponent`).
         offset: `(Q,)` int64 cell number of each grid's bin 0.
         out: `(Q, bins)` int64 counts, updated in place.
         absolute: count `|x|`.
-        has_nonfinite: `x_flat` holds NaN entries to skip.
+        has_nonfinite: `x_flat` holds NaN entries to skip (NaN is skipped
+            either way; kept for the kernels' signature).
     """
     n, g = x_flat.shape[0], x_flat.shape[-1]
     x3 = x_flat.reshape(n, -1, g)  # (N, Q, G)
@@ -102,66 +106,81 @@ def _add_counts(
     has_nonfinite: bool,
 ) -> torch.Tensor:
     """Counts of `(N, Q, G)` values added to `out` `(Q, bins)`: bin
-    `floor(x * inv) - off` (of `|x|` when `absolute`).
+    `floor(x * inv) - off` (of `|x|` when `absolute`), clamped to `[0, bins)`.
 
-    NaN entries are counted in a trash bin that is dropped. Each block is
-    scaled, floored and shifted in one float32 workspace (exact: a power-of-
-    two scaling and a float32 floor), converted to int32 and counted by one
-    `bincount` over `qparam * stride + bin`.
+    NaN entries are counted in a trash bin that is dropped (every path skips
+    them: under a deferred NaN policy they may reach here unannounced, and
+    the counts of such a batch are discarded when its error is raised).
+    Each block is scaled, floored, shifted and clamped in one float32
+    workspace (exact: a power-of-two scaling and a float32 floor), converted
+    to int64 and counted by one `index_add_` over `qparam * stride + bin`:
+    no host read (a CUDA `bincount` reads the largest index first).
     """
     n, q, g = x3.shape
     bins = out.shape[-1]
     device = x3.device
-    offset, inv, off = off, inv.reshape(1, q, 1), off.reshape(1, q, 1)
-    stride = bins + 1 if has_nonfinite else bins  # bin `bins`: the trash
+    inv, off = inv.reshape(1, q, 1), off.reshape(1, q, 1)  # dim > 0: float32 math
+    stride = bins + 1  # bin `bins`: the trash
     blocks = _chunks(n, q, g, stride)
     size = max(
         (b[0].stop - b[0].start) * (b[1].stop - b[1].start) * (b[2].stop - b[2].start)
         for b in blocks
     )
     work = torch.empty(size, dtype=torch.float32, device=device)
-    index = torch.empty(size, dtype=torch.int32, device=device)
-    q_base = torch.arange(q, dtype=torch.int32, device=device).reshape(1, q, 1) * stride
+    index = torch.empty(size, dtype=torch.int64, device=device)
+    ones = torch.ones(1, dtype=torch.int64, device=device).expand(size)
+    q_base = torch.arange(q, dtype=torch.int64, device=device).reshape(1, q, 1) * stride
     convert = x3.dtype == torch.float64  # bin float32 roundings, as min/max do
-    # The only index outside [0, bins) comes from the underflow exception of
-    # the module docstring (cell 0 instead of -1), and only when cell 0 lies
-    # outside the window; clamp (one more pass) only then.
-    clamp = has_nonfinite or not bool(
-        ((offset <= 0) & (offset + bins > 0) | (offset >= 0)).all()
-    )
-    one = q == 1  # one qparam: Python scalars, and the counts summed once
-    scale: torch.Tensor | float = float(inv) if one else inv
-    shift: torch.Tensor | float = float(off) if one else off
-    found_all = []
+    one = q == 1  # one qparam: the counts summed once, over every block
+    total = torch.zeros(stride, dtype=torch.int64, device=device) if one else None
     for ns, qs, gs in blocks:
         block = x3[ns, qs, gs]
         shape = block.shape
         buf = work[: block.numel()].view(shape)
-        block_scale = scale if one else inv[:, qs]
+        block_scale = inv[:, qs]
         if convert:
             buf.copy_(block).mul_(block_scale)
         else:
             torch.mul(block, block_scale, out=buf)
         if absolute:
             buf.abs_()
-        buf.floor_().sub_(shift if one else off[:, qs])
-        if clamp:
-            buf.clamp_(0, bins - 1)
-        if has_nonfinite:
-            buf.nan_to_num_(nan=float(bins))
+        # The only finite index outside [0, bins) comes from the underflow
+        # exception of `quantobs.stats.histogram` (cell 0 instead of -1);
+        # infinities (a deferred NaN policy) clamp too. NaN: the trash.
+        buf.floor_().sub_(off[:, qs]).clamp_(0, bins - 1)
+        buf.nan_to_num_(nan=float(bins))
         idx = index[: block.numel()].view(shape)
         idx.copy_(buf)
         num_q = shape[1]
         if num_q > 1:
             idx.add_(q_base[:, :num_q])  # qparam (within the block) * stride
-        found = torch.bincount(idx.reshape(-1), minlength=num_q * stride)
-        if one:
-            found_all.append(found)
-        else:
-            out[qs] += found.view(num_q, stride)[:, :bins]
-    if found_all:
-        out += torch.stack(found_all).sum(dim=0)[:bins]
+        flat = idx.reshape(-1)
+        if total is not None:
+            total.index_add_(0, flat, ones[: flat.numel()])
+            continue
+        found = torch.zeros(num_q * stride, dtype=torch.int64, device=device)
+        found.index_add_(0, flat, ones[: flat.numel()])
+        out[qs] += found.view(num_q, stride)[:, :bins]
+    if total is not None:
+        out += total[:bins]
     return out
 
 
+def _add_counts_gpu(
+    x3: torch.Tensor,
+    inv: torch.Tensor,
+    off: torch.Tensor,
+    out: torch.Tensor,
+    absolute: bool,
+    has_nonfinite: bool,
+) -> torch.Tensor | None:
+    """The Triton kernel (`quantobs.native.triton_histogram`), imported here,
+    for the first CUDA tensor: the dispatch calls it only where Triton
+    imports."""
+    from quantobs.native import triton_histogram  # imports Triton
+
+    return triton_histogram.add_counts(x3, inv, off, out, absolute, has_nonfinite)
+
+
 _add_counts.register("cpu", _add_counts_native)
+_add_counts.register("cuda", _add_counts_gpu)

@@ -59,6 +59,7 @@ import torch
 
 from quantobs.stats.base import Batch, Field, Reduce, Statistic
 from quantobs.stats.binning import bin_counts
+from quantobs.stats.rebinning import rebin_counts
 from quantobs.stats.reduce import minmax, minmax_omit_nonfinite
 
 if TYPE_CHECKING:
@@ -309,28 +310,25 @@ def rebin(hist: Histogram, exponent: torch.Tensor, offset: torch.Tensor) -> Hist
 
     Returns:
         The histogram on the new grid (same ranges). Qparams whose grid did not
-        change keep their counts; the rest move with one `scatter_add_`.
+        change keep their counts; the rest move with one `scatter_add_`
+        (`quantobs.stats.rebinning`: on a device, every row, with no host read).
     """
+    if hist.bins == 0:  # a placeholder without bins: nothing to move
+        return replace(hist, exponent=exponent, offset=offset)
     changed = (exponent != hist.exponent) | (offset != hist.offset)
     changed &= hist.min_vals <= hist.max_vals  # qparams with no data: all zeros
-    if not bool(changed.any()):
+    rows = hist.counts.reshape(-1, hist.bins)
+    counts = rebin_counts(
+        rows,
+        changed.reshape(-1),
+        hist.offset.reshape(-1),
+        (exponent - hist.exponent).reshape(-1),
+        offset.reshape(-1),
+    )
+    if counts is rows:  # nothing moved (the CPU path tells)
         return replace(hist, exponent=exponent, offset=offset)
-    bins = hist.bins
-    counts = hist.counts.reshape(-1, bins)
-    rows = changed.reshape(-1).nonzero().squeeze(1)
-    old_cells = hist.offset.reshape(-1)[rows, None] + torch.arange(
-        bins, device=counts.device
-    )  # (R, bins) cell numbers on the old grid
-    shift = (exponent - hist.exponent).reshape(-1)[rows, None].clamp(0, 63)
-    new_index = (old_cells >> shift) - offset.reshape(-1)[rows, None]
-    # Bins outside the new window are empty (the window covers the data).
-    new_index.clamp_(0, bins - 1)
-    moved = torch.zeros_like(counts[rows]).scatter_add_(1, new_index, counts[rows])
     return replace(
-        hist,
-        counts=counts.index_copy(0, rows, moved).reshape(hist.counts.shape),
-        exponent=exponent,
-        offset=offset,
+        hist, counts=counts.view(hist.counts.shape), exponent=exponent, offset=offset
     )
 
 

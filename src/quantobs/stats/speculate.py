@@ -135,10 +135,13 @@ def speculate(hist: Histogram, x_flat: torch.Tensor) -> Speculation | None:
     `update_histogram` re-bins the counts once the batch's range is known
     (exact: power-of-two grids nest) and bins the rest. None where it does
     not apply: more than one qparam, small or non-float32 batches, no native
-    kernels, or more values outside the window than the budget.
+    kernels (a device tensor: two passes, with no host read), or more values
+    outside the window than the budget.
     """
     if math.prod(hist.qparam_shape) != 1 or x_flat.dtype != torch.float32:
         return None
+    if x_flat.device.type != "cpu" or not native.available():
+        return None  # only the C kernel counts in one pass (guessing syncs)
     if x_flat.numel() < _SPECULATION_MIN_ELEMS:
         return None
     values = x_flat.reshape(-1)
