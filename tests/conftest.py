@@ -1,9 +1,18 @@
 """Test-wide settings (kept minimal: fixtures live next to their tests)."""
 
+import os
 from collections.abc import Iterator
 
-import pytest
 import torch
+
+# Without CUDA the Triton kernels' tests run on CPU tensors in Triton's
+# interpreter. Triton reads TRITON_INTERPRET when a kernel is decorated, and
+# a peer's import (llm-compressor's) can decorate its own first: set it here,
+# before any test module is collected. Only CPU tensors are affected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 from hypothesis import settings
 
 from quantobs import native
