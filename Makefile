@@ -32,13 +32,14 @@ RUN_ARGS ?= --report $(REPORT_DIR) --overwrite
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test setup setup-dev native lint format typecheck pytest bench clean
+.PHONY: help run test setup setup-dev native lint format typecheck pytest bench bench-gpu clean
 
 help:
 	@echo "make run        set up $(VENV) (.[cli]) and run 'quantobs compare' on the default model"
 	@echo "make test       set up $(VENV) (.[dev,cli,peers]); ruff check, ruff format --check, mypy, pytest"
 	@echo "make format     apply ruff format and the safe ruff fixes"
 	@echo "make bench      run benchmarks/bench_qparams.py"
+	@echo "make bench-gpu  run benchmarks/bench_gpu.py on CUDA (JSON: bench_gpu.json)"
 	@echo "make native     rebuild the native kernels in place (src/quantobs/native)"
 	@echo "make clean      remove $(VENV) and tool caches"
 
@@ -93,3 +94,11 @@ bench: $(STAMP_DEV)
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
 	rm -rf build src/quantobs/native/_qo_kernels.*
+
+# The GPU benchmark (issue 24): every observer on CUDA against the
+# torch.aminmax floor and llm-compressor, syncs, CPU == GPU qparams, a whole
+# calibration; BENCH_GPU_ARGS e.g. "--quick" or "--device cpu --small".
+BENCH_GPU_ARGS ?=
+bench-gpu: $(STAMP_DEV)
+	$(NATIVE_BUILD) --if-stale
+	$(BIN)/python benchmarks/bench_gpu.py --json bench_gpu.json $(BENCH_GPU_ARGS)
