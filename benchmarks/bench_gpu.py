@@ -303,6 +303,9 @@ def observer_cells(
         for label, kwargs in formats.items():
             row: dict[str, Any] = {"observer": name, "format": label}
             rows.append(row)
+            if time.perf_counter() > opts.deadline:
+                row["skipped"] = "time budget spent"
+                continue
             try:
                 args = QuantizationArgs(**kwargs)
                 Observer.get_class(name)(base_name, args)
@@ -339,7 +342,7 @@ def observer_cells(
 def print_observer_row(row: dict[str, Any]) -> None:
     head = f"  {row['observer']:<24}{row['format']:<14}"
     if "skipped" in row:
-        print(f"{head}{'n/a':>10}")
+        print(f"{head}{'n/a':>10}  {row['skipped'][:60]}")
         return
     if "error" in row:
         print(f"{head}{'error':>10}  {row['error']}", flush=True)
@@ -623,6 +626,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     logging.getLogger("quantobs").setLevel(logging.ERROR)  # the fallback notes
     started = time.perf_counter()
+    opts.deadline = started + opts.budget_s  # cells past it are skipped
     results: dict[str, Any] = {"environment": environment(device), "sizes": vars(sizes)}
     print(
         "quantobs GPU benchmark: "
