@@ -60,6 +60,7 @@ import torch
 
 from quantobs import Observer, QuantizationArgs, native
 from quantobs.core.syncs import SyncCounter
+from quantobs.native import runtime
 
 QParams = list[torch.Tensor]
 
@@ -196,7 +197,19 @@ def _with_importance(observer: Any, x: torch.Tensor) -> None:
 def syncs_of(
     name: str, base_name: str, args: QuantizationArgs, xs: Sequence[torch.Tensor]
 ) -> tuple[int, int]:
-    """(most syncs of one update, syncs of qparams) of a fresh observer."""
+    """(most syncs of one update, syncs of qparams) of a fresh observer, on
+    the code path CUDA tensors take (CPU data: native kernels off)."""
+    on_device = xs[0].device.type != "cpu"
+    previous = native.set_enabled(on_device and runtime.enabled())
+    try:
+        return _count_syncs(name, base_name, args, xs)
+    finally:
+        native.set_enabled(previous)
+
+
+def _count_syncs(
+    name: str, base_name: str, args: QuantizationArgs, xs: Sequence[torch.Tensor]
+) -> tuple[int, int]:
     observer = Observer.get_class(name)(base_name, args)
     _with_importance(observer, xs[0])
     most = 0

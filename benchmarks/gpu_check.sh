@@ -5,7 +5,8 @@
 # has its own time limit, so one failure does not eat the others; logs and
 # the benchmark's JSON go to $OUT (default ./gpu-check-out).
 #
-#   PYTHONPATH=src bash benchmarks/gpu_check.sh          # from the repo root
+#   bash benchmarks/gpu_check.sh                       # from anywhere
+#   BENCH_ARGS="--device cpu --small --no-peers" bash benchmarks/gpu_check.sh  # a dry run
 #
 # No install needed: quantobs runs from src/ (PYTHONPATH). Python packages
 # missing there (pydantic; llm-compressor for the comparison columns) are
@@ -61,8 +62,8 @@ else
     echo "no tests/native/test_triton*.py here" | tee "$OUT/triton_tests.log"
 fi
 
-echo "== bench_gpu.py --quick"
-timeout 230 "$PY" benchmarks/bench_gpu.py --quick --budget-s 190 \
+echo "== bench_gpu.py ${BENCH_ARGS:---quick}"
+timeout 230 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --budget-s 190 \
     --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\s*$"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== done (status $status); logs in $OUT"
