@@ -52,20 +52,20 @@ FORMATS: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
     "int4-group128": (
         "weight",
         {"num_bits": 4, "strategy": "group", "group_size": 128},
-        (16, 256),
+        (8, 256),
     ),
     "int4-group128-asym": (
         "weight",
         {"num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False},
-        (16, 256),
+        (8, 256),
     ),
-    "int8-channel": ("weight", {"num_bits": 8, "strategy": "channel"}, (16, 256)),
+    "int8-channel": ("weight", {"num_bits": 8, "strategy": "channel"}, (8, 256)),
     "uint8-channel-asym": (
         "weight",
         {"num_bits": 8, "strategy": "channel", "symmetric": False},
-        (16, 256),
+        (8, 256),
     ),
-    "fp8-tensor": ("weight", {"num_bits": 8, "type": "float"}, (16, 256)),
+    "fp8-tensor": ("weight", {"num_bits": 8, "type": "float"}, (8, 256)),
     "fp8-block": (
         "weight",
         {
@@ -74,18 +74,18 @@ FORMATS: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
             "strategy": "block",
             "block_structure": [8, 64],
         },
-        (16, 256),
+        (8, 256),
     ),
-    "nvfp4": ("weight", NVFP4, (16, 256)),
-    "mxfp4": ("weight", MXFP4, (16, 256)),
-    "int8-input": ("input", {"num_bits": 8}, (2, 8, 256)),
-    "int8-input-asym": ("input", {"num_bits": 8, "symmetric": False}, (2, 8, 256)),
-    "fp8-input": ("input", {"num_bits": 8, "type": "float"}, (2, 8, 256)),
+    "nvfp4": ("weight", NVFP4, (8, 256)),
+    "mxfp4": ("weight", MXFP4, (8, 256)),
+    "int8-input": ("input", {"num_bits": 8}, (2, 4, 256)),
+    "int8-input-asym": ("input", {"num_bits": 8, "symmetric": False}, (2, 4, 256)),
+    "fp8-input": ("input", {"num_bits": 8, "type": "float"}, (2, 4, 256)),
 }
 
 #: one class per registered name (aliases share a class)
 NAMES = sorted({Observer.get_class(n).name for n in Observer.registry.names()})
-BATCHES = 3
+BATCHES = 2
 
 
 @pytest.fixture(autouse=True)
@@ -97,13 +97,13 @@ def _quiet() -> Iterator[None]:
 
 
 def _data(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    """Heavy-tailed batches whose range grows and shrinks, as float32."""
+    """Heavy-tailed batches whose range grows, as float32."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(BATCHES):
         x = torch.randn(shape, generator=gen)
         x = x * torch.exp(0.7 * torch.randn(shape, generator=gen))  # outliers
-        out.append(x * (1.0, 2.5, 0.5)[i])
+        out.append(x * (1.0, 2.5)[i])  # the range grows
     return out
 
 
@@ -193,6 +193,7 @@ def _supports(name: str, face: str) -> bool:
     return True
 
 
+_REFERENCES: dict[tuple[str, str, torch.dtype], list[torch.Tensor]] = {}
 CASES = [(n, f) for n in NAMES for f in FORMATS if _supports(n, f)]
 
 
@@ -203,9 +204,14 @@ def test_observers_are_device_identical(name: str, face: str, path: str) -> None
     if path == "emulated" and face not in EMULATED:
         pytest.skip("emulated on a subset of the formats (time)")
     for dtype in _dtypes(path):
-        expected = _run("torch", lambda d: _observer_qparams(name, face, dtype, d))  # noqa: B023
+        key = (name, face, dtype)
+        if key not in _REFERENCES:  # the torch path's, shared by the paths
+            _REFERENCES[key] = _run(
+                "torch",
+                lambda d: _observer_qparams(name, face, dtype, d),  # noqa: B023
+            )
         found = _run(path, lambda d: _observer_qparams(name, face, dtype, d))  # noqa: B023
-        _assert_identical(found, expected, f"{name} {face} {dtype} on {path}")
+        _assert_identical(found, _REFERENCES[key], f"{name} {face} {dtype} on {path}")
 
 
 def test_every_registered_observer_is_covered() -> None:
