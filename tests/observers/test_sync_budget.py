@@ -281,11 +281,11 @@ _MX = {
 # class meets the budget). The histogram observers belong to the histogram
 # family's work.
 FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
-    "torch_ao-MinMax": (_torch_ao("MinMaxObserver"), "calculate_qparams", 4, 5),
+    "torch_ao-MinMax": (_torch_ao("MinMaxObserver"), "calculate_qparams", 2, 5),
     "torch_ao-MovingAverageMinMax": (
         _torch_ao("MovingAverageMinMaxObserver"),
         "calculate_qparams",
-        6,
+        4,
         5,
     ),
     "torch_ao-PerChannelMinMax": (
@@ -303,8 +303,8 @@ FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
     "torch_ao-Histogram": (
         _torch_ao("HistogramObserver"),
         "calculate_qparams",
-        15,
-        15,
+        14,
+        14,
     ),
     "torch_ao-FixedQParams": (
         _torch_ao("FixedQParamsObserver", scale=0.1, zero_point=0),
@@ -319,7 +319,7 @@ FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
     "quark-PerTensorMinMax": (
         _quark("PerTensorMinMaxObserver"),
         "_calculate_qparams",
-        3,
+        2,
         5,
     ),
     "quark-PerChannelMinMax": (
@@ -343,20 +343,20 @@ FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
     "quark-PerTensorPowOf2MinMax": (
         _quark("PerTensorPowOf2MinMaxObserver"),
         "_calculate_qparams",
-        3,
+        2,
         5,
     ),
     "quark-PerChannelPowOf2MinMax": (
         _quark("PerChannelPowOf2MinMaxObserver", **_CHANNEL),
         "_calculate_qparams",
         3,
-        6,
+        4,
     ),
     "quark-PerTensorPowOf2MinMSE": (
         _quark("PerTensorPowOf2MinMSEObserver"),
         "_calculate_qparams",
-        3,
-        8,
+        2,
+        7,
     ),
     "quark-PerChannelPowOf2MinMSE": (
         _quark("PerChannelPowOf2MinMSEObserver", **_CHANNEL),
@@ -386,20 +386,20 @@ FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
     "quark-PerTensorHistogram": (
         _quark("PerTensorHistogramObserver"),
         "_calculate_qparams",
-        13,
+        12,
         5,
     ),
     "quark-PerTensorPercentile": (
         _quark("PerTensorPercentileObserver"),
         "_calculate_qparams",
-        14,
+        13,
         7,
     ),
-    "quark-PerTensorMSE": (_quark("PerTensorMSEObserver"), "_calculate_qparams", 13, 9),
+    "quark-PerTensorMSE": (_quark("PerTensorMSEObserver"), "_calculate_qparams", 12, 9),
     "quark-PerTensorHistogramPro": (
         _quark("PerTensorHistogramObserverPro", dtype=quark.Dtype.uint8),
         "_calculate_qparams",
-        15,
+        14,
         12,
     ),
     "quark-Placeholder": (
@@ -417,7 +417,7 @@ FACE_CLASSES: dict[str, tuple[Callable[[], Any], str | None, int, int]] = {
     "legacy-MovingAverageMSE": (
         _legacy("MovingAverageMSEObserver", num_bits=8),
         "get_qparams",
-        4,
+        3,
         0,
     ),
 }

@@ -119,7 +119,11 @@ _finite.register("cpu", native.all_finite)
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of every tensor is finite (one small reduction
-    per tensor; float32 ones in one native pass where the kernels are built)."""
+    per tensor; float32 ones in one native pass where the kernels are built;
+    one-element ones in one host read together)."""
+    if len(tensors) > 1 and all(t.numel() == 1 for t in tensors):
+        joined = torch.cat([t.reshape(1).to(torch.float64) for t in tensors])
+        return bool(torch.isfinite(joined).all())
     return all(
         math.isfinite(float(t)) if t.numel() == 1 else _finite(t) for t in tensors
     )
