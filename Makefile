@@ -50,6 +50,7 @@ help:
 	@echo "make test-latest set up $(VENV_LATEST) (.[dev,cli] + $(REQUIREMENTS_LATEST)); pytest on the newest peers"
 	@echo "make format     apply ruff format and the safe ruff fixes"
 	@echo "make bench      run benchmarks/bench_qparams.py"
+	@echo "make bench-gpu  run benchmarks/bench_gpu.py on CUDA (JSON: bench_gpu.json)"
 	@echo "make native     rebuild the native kernels in place (src/quantobs/native)"
 	@echo "make clean      remove $(VENV) and tool caches"
 
@@ -119,3 +120,11 @@ bench: $(STAMP_DEV)
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) .mypy_cache .ruff_cache .pytest_cache .hypothesis
 	rm -rf build src/quantobs/native/_qo_kernels.*
+
+# The GPU benchmark (issue 24): every observer on CUDA against the
+# torch.aminmax floor and llm-compressor, syncs, CPU == GPU qparams, a whole
+# calibration; BENCH_GPU_ARGS e.g. "--quick" or "--device cpu --small".
+BENCH_GPU_ARGS ?=
+bench-gpu: $(STAMP_DEV)
+	$(NATIVE_BUILD) --if-stale
+	$(BIN)/python benchmarks/bench_gpu.py --json bench_gpu.json $(BENCH_GPU_ARGS)

@@ -38,6 +38,20 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     native.set_enabled(previous)
 
 
+def _on_cuda(value: object) -> bool:
+    return (isinstance(value, str) and value == "cuda") or (
+        isinstance(value, torch.device) and value.type == "cuda"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with a CUDA parameter `cuda` (`-m cuda` selects them)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(map(_on_cuda, callspec.params.values())):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Run a test on every available device (the CPU; CUDA where present)."""

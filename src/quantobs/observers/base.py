@@ -426,8 +426,11 @@ class Observer(ObserverEngine, Registered):
     # -------------------------------------------------------- serialization
 
     def get_extra_state(self) -> dict[str, Any]:
-        """Counts and the observer's name, carried by `state_dict()` as
-        `_extra_state` (the statistic itself is in the buffers)."""
+        """Counts, the deferred checks' findings and the observer's name,
+        carried by `state_dict()` as `_extra_state` (the statistic itself is
+        in the buffers): a restored observer raises what the saved one would
+        have (non-finite values seen, float64 values past float32)."""
+        self._settle()  # the pending findings: one host read, saving only
         return {
             "version": _STATE_VERSION,
             "observer": self.name,
@@ -436,6 +439,11 @@ class Observer(ObserverEngine, Registered):
             "observed_dtype": (
                 None if self.observed_dtype is None else str(self.observed_dtype)
             ),
+            "deferred": {
+                "nonfinite": self._nonfinite,
+                "beyond": self._beyond,
+                "kept": self._kept,
+            },
         }
 
     def set_extra_state(self, state: Any) -> None:
@@ -454,6 +462,13 @@ class Observer(ObserverEngine, Registered):
         self.num_observed_tokens = None if tokens is None else int(tokens)
         dtype = state.get("observed_dtype")  # absent in states saved before it
         self.observed_dtype = None if dtype is None else _DTYPES.get(dtype)
+        deferred = state.get("deferred")  # absent in states saved before it
+        self._clear_deferred()
+        if isinstance(deferred, dict):
+            self._nonfinite = int(deferred.get("nonfinite") or 0)
+            self._beyond = float(deferred.get("beyond") or 0.0)
+            kept = deferred.get("kept")
+            self._kept = None if kept is None else int(kept)
 
     # ------------------------------------------ llm-compressor's Observer API
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from quantobs.core.exact import divide
 from quantobs.solvers.l2_bounds import certify
 from quantobs.solvers.l2_error import (
     approx_errors,
@@ -235,7 +236,7 @@ def l2_search(
         origin = lo64 / width64  # unit position of 0 is -origin
 
         def to_range(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            scale = params[..., 0] / half
+            scale = divide(params[..., 0], half)
             return (qmin - 0.5) * scale - origin[:, None], (
                 qmax + 0.5
             ) * scale - origin[:, None]

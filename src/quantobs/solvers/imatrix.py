@@ -29,6 +29,7 @@ import math
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.exact import divide
 from quantobs.core.scoring import (
     DEFAULT_CHUNK_ELEMS,
     candidate_errors,
@@ -68,7 +69,7 @@ def normalize_importance(importance: torch.Tensor) -> torch.Tensor:
     """`(K,)` float32 importance divided by its mean (llm-compressor's
     normalization: `imp / (imp.mean() + tiny)`), so uniform importance is 1."""
     imp = importance.to(torch.float32)
-    return imp / (imp.mean() + _TINY)
+    return divide(imp, imp.mean() + _TINY)
 
 
 def weighted_errors(

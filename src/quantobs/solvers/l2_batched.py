@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from quantobs import native
+from quantobs.core.exact import divide
 from quantobs.native.dispatch import kernel
 from quantobs.solvers.l2_error import EXACT_LEVELS, l2_candidate_errors
 
@@ -102,7 +103,7 @@ def symmetric_search(
         first = torch.clamp(torch.floor(amax[part]) - bins, min=1.0)  # (q,)
         ticks = torch.arange(bins + 2, dtype=torch.float64, device=counts.device)
         params = torch.minimum(first[:, None] + ticks, amax[part, None])  # (q, K)
-        scale = params / half
+        scale = divide(params, half)
         lo_u = (qmin - 0.5) * scale - origin[part, None]
         hi_u = (qmax + 0.5) * scale - origin[part, None]
         errors = _score(rows, lo_u, hi_u, levels)

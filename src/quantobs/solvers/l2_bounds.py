@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from quantobs import native
+from quantobs.core.exact import divide
 from quantobs.native.dispatch import kernel
 from quantobs.solvers.l2_error import moments_at, region_error, row_errors
 
@@ -94,7 +95,7 @@ def pair_bounds(
     mass = at[0, b] - at[0, a]
     inside = (jumps[(b - 1).clamp(min=0)] - jumps[a]).clamp(min=0)
     floor = mass * sawtooth_floor(width)
-    smooth = mass * width**2 / 12 - JUMP_WEIGHT * width**3 * inside
+    smooth = divide(mass * width**2, 12) - JUMP_WEIGHT * width**3 * inside
     return clip + torch.maximum(floor, smooth)
 
 

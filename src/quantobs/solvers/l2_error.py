@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from quantobs import native
+from quantobs.core.exact import divide
 from quantobs.native.dispatch import kernel
 
 __all__ = [
@@ -62,7 +63,7 @@ def prefix_moments(counts: torch.Tensor) -> torch.Tensor:
     left = left - bins / 2  # centered bin edges
     table = torch.empty(num_q, bins, 4, dtype=torch.float64, device=counts.device)
     for p in range(3):
-        power = left ** (p + 1) / (p + 1)
+        power = divide(left ** (p + 1), p + 1)
         prefix = torch.cumsum(counts * (power[1:] - power[:-1]), dim=1)
         prefix = torch.nn.functional.pad(prefix[:, :-1], (1, 0))  # P_p[j]
         table[..., p] = prefix - counts * power[:-1]
@@ -85,7 +86,7 @@ def moments_at(
     out[0] = a0 + hu
     hu = hu * uc
     out[1] = a1 + hu / 2
-    out[2] = a2 + hu * uc / 3
+    out[2] = a2 + divide(hu * uc, 3)
     return out
 
 
@@ -165,7 +166,7 @@ def approx_errors(
     last = hi_u - width / 2 - bins / 2
     left = region_error(m[:, :, 1], m[:, :, 0], first)
     right = region_error(m[:, :, 3], m[:, :, 2], last)
-    inside = (m[0, :, 2] - m[0, :, 1]) * width * width / 12
+    inside = divide((m[0, :, 2] - m[0, :, 1]) * width * width, 12)
     return left + right + inside
 
 

@@ -50,6 +50,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from quantobs import native
+from quantobs.core.exact import divide
 from quantobs.native.dispatch import kernel
 
 __all__ = [
@@ -228,14 +229,14 @@ def torch_l2_terms(
 
     delta_begin = src_begin - dst_of_begin_center
     norm = density * (
-        (half * half * half - delta_begin * delta_begin * delta_begin) / 3
+        divide(half * half * half - delta_begin * delta_begin * delta_begin, 3)
     )
-    inner = density * ((half * half * half - neg_half * neg_half * neg_half) / 3)
+    inner = density * divide(half * half * half - neg_half * neg_half * neg_half, 3)
     norm += (dst_of_end - dst_of_begin - 1) * inner
     dst_of_end_center = dst_of_end * dw + half
     delta_end = src_end - dst_of_end_center
     norm += density * (
-        (delta_end * delta_end * delta_end - neg_half * neg_half * neg_half) / 3
+        divide(delta_end * delta_end * delta_end - neg_half * neg_half * neg_half, 3)
     )
     # torch returns 0 for a zero destination width (a row of zeros sums to 0)
     return torch.where((dst_width == 0.0)[:, None], torch.zeros_like(norm), norm)

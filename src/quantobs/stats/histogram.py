@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from quantobs.core.exact import divide
 from quantobs.stats.base import Batch, Field, Reduce, Statistic
 from quantobs.stats.binning import bin_counts
 from quantobs.stats.rebinning import rebin_counts
@@ -263,7 +264,7 @@ def histogram_grid(
     )
     # (hi - lo) / 2**e <= bins - 1 guarantees a fit; the smallest fitting
     # exponent is that bound or one below (checked exactly, with a margin).
-    ratio = (hi - lo) / (bins - 1)
+    ratio = divide(hi - lo, bins - 1)
     mant, ratio_exp = torch.frexp(ratio)
     upper = ratio_exp.to(torch.int64) - (mant == 0.5).to(torch.int64)
     upper = torch.where(ratio > 0, upper, torch.full_like(upper, _MIN_EXPONENT))

@@ -83,6 +83,10 @@ def histc(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     Raises:
         RuntimeError: a non-finite range (torch's error).
     """
+    if x.dtype == torch.bfloat16 and x.device.type != "cpu":
+        # CUDA's histc has no bfloat16 (torch.ao raises there): count the
+        # values in float32 (the CPU rounds bfloat16 bin positions and counts)
+        return torch.histc(x.float(), bins, min=lo, max=hi).to(x.dtype)
     return torch.histc(x, bins, min=lo, max=hi)
 
 

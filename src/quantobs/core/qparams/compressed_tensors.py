@@ -71,6 +71,7 @@ import torch
 from quantobs import native
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.checks import Checks
+from quantobs.core.exact import divide, rounded_to
 from quantobs.core.formats import NumberFormat, get_format
 from quantobs.core.qparams.pow2 import (
     E8M0_BIAS,
@@ -121,7 +122,11 @@ _finite.register("cpu", native.all_finite)
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of every tensor is finite (one small reduction
-    per tensor; float32 ones in one native pass where the kernels are built)."""
+    per tensor; float32 ones in one native pass where the kernels are built;
+    one-element ones in one host read together)."""
+    if len(tensors) > 1 and all(t.numel() == 1 for t in tensors):
+        joined = torch.cat([t.reshape(1).to(torch.float64) for t in tensors])
+        return bool(torch.isfinite(joined).all())
     return all(
         math.isfinite(float(t)) if t.numel() == 1 else _finite(t) for t in tensors
     )
@@ -298,17 +303,17 @@ def calculate_qparams(
         if args.is_mx:
             scale = _mx_scales(amax, fmt, pow2 or "round")
         else:
-            scale = amax.div_((qmax - qmin) / 2)
+            scale = divide(amax, (qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below
     elif rounded is not None and pow2 is None:
         scale, zero_point = _rounded_asymmetric(min_vals, max_vals, qmin, qmax, rounded)
     else:
         min_vals = torch.clamp(min_vals.to(work), max=0.0)
         max_vals = torch.clamp(max_vals.to(work), min=0.0)
-        scale = (max_vals - min_vals) / (qmax - qmin)
+        scale = divide(max_vals - min_vals, qmax - qmin)
         wide = ~torch.isfinite(scale)  # max - min overflowed
         scale = torch.where(
-            wide, max_vals / (qmax - qmin) - min_vals / (qmax - qmin), scale
+            wide, divide(max_vals, qmax - qmin) - divide(min_vals, qmax - qmin), scale
         )
         if pow2 is None:  # powers of two are exact, subnormal or not
             scale = _floor_subnormal(scale, out_dtype)
@@ -348,10 +353,10 @@ def _rounded_asymmetric(
     # (*Q,) range ends of values of `dtype` (a searched range past it saturates)
     low = min_vals.to(work).clamp(info.min, 0.0).to(dtype)
     high = max_vals.to(work).clamp(0.0, info.max).to(dtype)
-    span = torch.tensor(qmax - qmin, dtype=dtype)
-    scale = (high - low) / span
+    span = rounded_to(qmax - qmin, dtype)  # as torch.tensor(.., dtype) holds it
+    scale = divide(high - low, span)
     wide = ~torch.isfinite(scale)  # max - min overflowed
-    scale = torch.where(wide, high / span - low / span, scale)  # no host read
+    scale = torch.where(wide, divide(high, span) - divide(low, span), scale)
     scale = _floor_subnormal(scale.to(work), work).to(dtype)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     # low == 0 wherever scale == 0, so the zero point is qmin there.
@@ -451,7 +456,7 @@ def _symmetric_scales(
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals, checks)
     work = _work_dtype(min_vals.dtype)
-    scale = _amax(min_vals, max_vals, work).div_((fmt.max - fmt.min) / 2)
+    scale = divide(_amax(min_vals, max_vals, work), (fmt.max - fmt.min) / 2)
     gscale = None
     if global_scale is not None:
         gscale = global_scale.float().to(work).reshape(())
@@ -479,8 +484,8 @@ def _rounded_symmetric_scales(
     # max saturates)
     amax = _amax(min_vals, max_vals, work).clamp_(max=torch.finfo(dtype).max)
     amax = amax.to(dtype)
-    half_range = torch.tensor((fmt.max - fmt.min) / 2, dtype=dtype)
-    scale = (amax / half_range).to(work)
+    half_range = rounded_to((fmt.max - fmt.min) / 2, dtype)
+    scale = divide(amax, half_range).to(work)
     gscale = None
     if global_scale is not None:
         gscale = global_scale.float().to(work).reshape(())

@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from quantobs.core.exact import divide
 from quantobs.core.formats import get_format
 from quantobs.core.qparams.pow2 import (
     E8M0_MAX_EXP,
@@ -120,14 +121,14 @@ def int_qparams(
     levels = float(qmax - qmin)
     if symmetric:
         amax = torch.maximum(-min_neg, max_pos)
-        scale = torch.maximum(amax / (levels / 2), eps)
+        scale = torch.maximum(divide(amax, levels / 2), eps)
         zero_point = torch.zeros(min_neg.shape, dtype=torch.int32, device=eps.device)
         return scale, zero_point
     if float_zero_point:
-        scale = (max_val - min_val) / levels
+        scale = divide(max_val - min_val, levels)
         scale = torch.where(scale > eps, scale, torch.ones_like(scale))
         return scale, -1 * min_val / scale
-    scale = torch.maximum((max_pos - min_neg) / levels, eps)
+    scale = torch.maximum(divide(max_pos - min_neg, levels), eps)
     zero_point = int(qmin) - torch.round(min_neg / scale).to(torch.int32)
     return scale, torch.clamp(zero_point, int(qmin), int(qmax))
 
@@ -148,7 +149,7 @@ def float_scale(
     """
     if scale_dtype is not None:
         amax = amax.to(scale_dtype)
-    scale = torch.div(amax, quant_max)
+    scale = divide(amax, quant_max)
     return scale.masked_fill(scale == 0.0, eps)
 
 
@@ -405,7 +406,7 @@ class QuarkPow2Rule:
             amax = torch.maximum(-min_neg, max_pos)
             min_neg, max_pos = -amax, amax
         spread = max_pos - min_neg
-        scale = torch.where(spread != 0, spread / (qmax - qmin), 1.0)
+        scale = torch.where(spread != 0, divide(spread, qmax - qmin), 1.0)
         zero_point = (qmin - min_neg / scale).trunc()
         pof2 = pow2_nearest(scale)
         new_min = torch.clamp((qmin - zero_point) * pof2, max=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from quantobs.core.exact import divide
 from quantobs.core.qparams.torch_rule import SYMMETRIC_QSCHEMES, TorchAORule
 
 __all__ = ["repair_qparams", "unsearchable_histogram"]
@@ -92,11 +93,11 @@ def repair_qparams(
     lo64, hi64 = low.double(), high.double()
     half_levels = (rule.quant_max - rule.quant_min) / 2
     if symmetric:
-        exact = torch.maximum(-lo64, hi64).clamp(min=0) / half_levels
+        exact = divide(torch.maximum(-lo64, hi64).clamp(min=0), half_levels)
     elif float_zero_point:  # the raw range
-        exact = (hi64 / 2 - lo64 / 2) / half_levels
+        exact = divide(hi64 / 2 - lo64 / 2, half_levels)
     else:  # the range extended to include 0
-        exact = (hi64.clamp(min=0) / 2 - min_neg.double() / 2) / half_levels
+        exact = divide(hi64.clamp(min=0) / 2 - min_neg.double() / 2, half_levels)
     if not float_zero_point:  # torch's floor
         exact = torch.maximum(exact, torch.as_tensor(rule.eps).to(exact))
     fitted = exact.to(scale.dtype)

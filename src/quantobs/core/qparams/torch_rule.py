@@ -47,6 +47,8 @@ from typing import ClassVar
 
 import torch
 
+from quantobs.core.exact import divide
+
 __all__ = [
     "ALLOWED_DTYPES",
     "ALLOWED_QSCHEMES",
@@ -242,17 +244,17 @@ def torch_qparams(
 
     if qscheme in SYMMETRIC_QSCHEMES:
         amax = torch.max(-min_neg, max_pos)
-        scale = torch.max(amax / (float(quant_max - quant_min) / 2), eps)
+        scale = torch.max(divide(amax, float(quant_max - quant_min) / 2), eps)
         middle = symmetric_zero_point(dtype, quant_min, quant_max, custom_range)
         zero_point = zero_point.new_full(zero_point.size(), middle)
     elif qscheme == torch.per_channel_affine_float_qparams:
-        scale = (max_val - min_val) / float(quant_max - quant_min)
+        scale = divide(max_val - min_val, float(quant_max - quant_min))
         scale = _wide_scale(scale, min_val, max_val, quant_min, quant_max)
         scale = torch.where(scale > eps, scale, torch.ones_like(scale))
         # q = round(x / scale + zp) with zp = -min / scale: q = round((x - min) / scale)
         zero_point = -1 * min_val / scale
     else:
-        scale = (max_pos - min_neg) / float(quant_max - quant_min)
+        scale = divide(max_pos - min_neg, float(quant_max - quant_min))
         scale = _wide_scale(scale, min_neg, max_pos, quant_min, quant_max)
         scale = torch.max(scale, eps)
         zero_point = _affine_zero_point(min_neg, scale, quant_min, quant_max)

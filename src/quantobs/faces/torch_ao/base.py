@@ -398,8 +398,7 @@ class UniformQuantizationObserverBase(ObserverBase):
             low is not None
             and high is not None
             and low.dim() == 0
-            and float(low) == math.inf
-            and float(high) == -math.inf
+            and bool((low == math.inf) & (high == -math.inf))  # one host read
         )
         return None if initial else state
 
