@@ -52,6 +52,7 @@ from pydantic import Field
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.needs import Need
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.importance import ImportanceObserver
 from quantobs.observers.mse import MemorylessMSEObserver, MSEOptions
@@ -153,6 +154,11 @@ class IMatrixMSEObserver(Observer):
     Options = IMatrixMSEOptions
     options: IMatrixMSEOptions
     needs_values = True
+    needs = frozenset({Need.INPUT_IMPORTANCE})
+
+    def gathered(self) -> list[ObserverEngine]:
+        """The importance its hook gathers during the batches."""
+        return [self.importance]
 
     def __init__(
         self,
