@@ -5,11 +5,15 @@ sequential pipeline does, for models bigger than the device.
 model accelerate offloads: modules with an `_hf_hook`, or weights on the meta
 device) runs:
 
-1. **Capture.** Each batch runs until the first decoder layer's forward,
-   whose arguments (hidden states, position embeddings, attention mask...;
-   the kv cache dropped: each layer writes its keys and values to observers
-   only) are cached with the batch's real-token mask, on the CPU when
-   accelerate offloads the model (else where they are).
+1. **Capture.** Each batch runs through the model with every decoder layer
+   replaced by one that records its arguments and passes its input on
+   (nothing is onloaded; the run stops at the last layer): the first
+   layer's hidden states, and each layer's other arguments (position
+   embeddings, attention mask: Gemma's differ between sliding and global
+   layers; the kv cache dropped: each layer writes its keys and values to
+   observers only) are cached with the batch's real-token mask, on the CPU
+   when accelerate offloads the model (else where they are; tensors every
+   layer shares are kept once).
 2. **Each layer** (onloaded by accelerate's hooks where it offloads it):
    its weights observed, its references agreed across processes, every
    cached batch run through it with its observers' hooks (real tokens only,
@@ -45,7 +49,7 @@ else the largest `ModuleList` of modules of one class.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -168,80 +172,130 @@ def _without_cache(value: Any) -> Any:
 
 @dataclass
 class _Item:
-    """One batch at a layer boundary.
+    """One batch at the layer boundaries.
 
     Attributes:
         batch: the batch as given (the replay outside the layers runs it).
-        args, kwargs: the next layer's inputs (on `device`, or the CPU when
-            `offloaded`).
+        records: each layer's `(args, kwargs)` as the model called it, but
+            for the hidden states (`hidden`); dropped once the layer ran.
         mask: the batch's real tokens (`tokens.TokenMask`).
-        device: where the layer takes its inputs.
-        output: the last layer's outputs (as it returned them).
+        device: where the layers take their inputs.
+        offloaded: whether the tensors are kept on the CPU meanwhile.
+        hidden: the next layer's hidden states.
+        output: the last layer's outputs, as it returned them.
     """
 
     batch: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    records: list[tuple[tuple[Any, ...], dict[str, Any]] | None]
     mask: TokenMask | None
     device: torch.device
     offloaded: bool
+    hidden: Any = None
     output: Any = None
 
-    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not self.offloaded:
-            return self.args, self.kwargs
-        return move(self.args, self.device), move(self.kwargs, self.device)
-
-    def keep(self, value: Any) -> Any:
-        return move(value, _CPU) if self.offloaded else value
-
-    def advance(self, output: Any) -> None:
-        """The layer's `output` becomes the next layer's hidden states."""
-        hidden = output[0] if isinstance(output, tuple) else output
-        hidden = self.keep(hidden)
-        if self.args:
-            self.args = (hidden, *self.args[1:])
+    def inputs(self, index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Layer `index`'s arguments, with the current hidden states."""
+        record = self.records[index]
+        if record is None:  # pragma: no cover - each layer runs in order
+            raise RuntimeError(f"layer {index}'s inputs were dropped")
+        args, kwargs = record
+        if args:
+            args = (self.hidden, *args[1:])
         else:
-            self.kwargs = {**self.kwargs, "hidden_states": hidden}
+            kwargs = {**kwargs, "hidden_states": self.hidden}
+        if not self.offloaded:
+            return args, kwargs
+        return move(args, self.device), move(kwargs, self.device)
+
+    def keep(self, value: Any, memo: dict[int, Any] | None = None) -> Any:
+        """`value` as kept: on the CPU when offloaded (tensors the model
+        passes to every layer, e.g. masks, moved once through `memo`)."""
+        if not self.offloaded:
+            return value
+        return _moved(value, _CPU, {} if memo is None else memo)
+
+    def advance(self, index: int, output: Any) -> None:
+        """Layer `index`'s `output` becomes the next layer's hidden states."""
+        self.records[index] = None
+        hidden = output[0] if isinstance(output, tuple) else output
+        self.hidden = self.keep(hidden)
         self.output = self.keep(output)
 
 
-def _first_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    values = [*args, *kwargs.values()]
-    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+def _moved(value: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+    """`move` sharing the copies of tensors met before (by identity)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = value.to(device)
+        return memo[id(value)]
+    if isinstance(value, Mapping):
+        return {k: _moved(v, device, memo) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_moved(v, device, memo) for v in value)
+    return value
+
+
+def _hidden_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+@contextmanager
+def _replaced(
+    layers: list[torch.nn.Module], forward: Callable[[int], Callable[..., Any]]
+) -> Iterator[None]:
+    """While inside, layer `i` runs `forward(i)` instead of its own forward
+    (nor accelerate's, which wraps it: nothing is onloaded)."""
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for index, layer in enumerate(layers):
+        layer.forward = forward(index)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for layer, own in zip(layers, saved, strict=True):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own  # type: ignore[method-assign]
 
 
 def _capture(
-    model: torch.nn.Module, first: torch.nn.Module, batch: Any, offload: bool
+    model: torch.nn.Module, layers: list[torch.nn.Module], batch: Any, offload: bool
 ) -> _Item:
-    """Run `batch` until `first` (the first decoder layer) and catch its inputs."""
-    caught: dict[str, Any] = {}
+    """Run `batch` with every decoder layer replaced by one that records its
+    arguments and passes its hidden states on; stop at the last layer (so
+    the modules after the layers do not run)."""
+    records: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * len(layers)
+    masks: list[TokenMask | None] = []
 
-    def hook(
-        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        caught["args"] = tuple(_without_cache(a) for a in args)
-        caught["kwargs"] = {k: _without_cache(v) for k, v in kwargs.items()}
-        caught["mask"] = current_mask()
-        raise _Captured
+    def recorder(index: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            records[index] = (
+                tuple(_without_cache(a) for a in args),
+                {k: _without_cache(v) for k, v in kwargs.items()},
+            )
+            masks.append(current_mask())
+            if index == len(layers) - 1:
+                raise _Captured
+            return _hidden_of(args, kwargs)
 
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-    try:
-        run_batch(model, batch)
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    if "args" not in caught:
+        return forward
+
+    with _replaced(layers, recorder):
+        try:
+            run_batch(model, batch)
+        except _Captured:
+            pass
+    if any(r is None for r in records):
         raise RuntimeError(
-            f"the model ran without calling its first decoder layer "
-            f"({type(first).__name__}); use pipeline='model'"
+            f"the model ran without calling each of its decoder layers "
+            f"({type(layers[0]).__name__}) once; use pipeline='model'"
         )
-    args, kwargs = caught["args"], caught["kwargs"]
-    found = _first_tensor(args, kwargs)
-    device = found.device if isinstance(found, torch.Tensor) else _CPU
-    item = _Item(batch, args, kwargs, caught["mask"], device, offload)
-    item.args, item.kwargs = item.keep(args), item.keep(kwargs)
+    hidden = _hidden_of(*(records[0] or ((), {})))
+    device = hidden.device if isinstance(hidden, torch.Tensor) else _CPU
+    item = _Item(batch, [], masks[0], device, offload)
+    memo: dict[int, Any] = {}
+    item.records = [item.keep(r, memo) for r in records]
+    item.hidden = item.keep(hidden, memo)
     return item
 
 
@@ -303,8 +357,8 @@ def _inside(entries: Iterable[Entry], prefix: str) -> list[Entry]:
     return [e for e in entries if e.name == prefix or e.name.startswith(prefix + ".")]
 
 
-def _run_layer(layer: torch.nn.Module, item: _Item) -> Any:
-    args, kwargs = item.inputs()
+def _run_layer(layer: torch.nn.Module, index: int, item: _Item) -> Any:
+    args, kwargs = item.inputs(index)
     with using_mask(item.mask):
         return layer(*args, **kwargs)
 
@@ -334,7 +388,7 @@ def observe_layers(
     items: list[_Item] = []
     with calibration.only([]):
         for batch in batches:
-            items.append(_capture(model, layers[0], batch, offload))
+            items.append(_capture(model, layers, batch, offload))
     indices = list(range(len(items)))
     first = 0 if items else None
     # 2. each layer
@@ -343,8 +397,13 @@ def observe_layers(
         mine = _inside(entries, f"{prefix}.{index}" if prefix else str(index))
         outputs: dict[int, Any] = {}
 
-        def run(i: int, layer: torch.nn.Module = layer, out: dict[int, Any] = outputs) -> None:
-            out[i] = _run_layer(layer, items[i])
+        def run(
+            i: int,
+            layer: torch.nn.Module = layer,
+            index: int = index,
+            out: dict[int, Any] = outputs,
+        ) -> None:
+            out[i] = _run_layer(layer, index, items[i])
 
         calibration.observe_segment(Segment(mine, run, indices, first))
         calibration.freeze_weights(calibration.segment_groups(mine))
@@ -358,7 +417,7 @@ def observe_layers(
                 for i in indices:
                     run(i)
         for i in indices:
-            items[i].advance(outputs.pop(i))
+            items[i].advance(index, outputs.pop(i))
     # 3. outside the layers
     inside = {id(e) for e in _inside(entries, prefix)} if prefix else set()
     outside = [e for e in entries if id(e) not in inside]
@@ -383,18 +442,9 @@ def _observe_outside(
     def replay(i: int) -> None:
         item = items[i]
         output = move(item.output, item.device) if item.offloaded else item.output
-        saved = [layer.__dict__.get("forward") for layer in layers]
-        for layer in layers:
-            layer.forward = lambda *a, _out=output, **k: _out  # type: ignore[method-assign]
-        try:
+        with _replaced(layers, lambda _: lambda *a, **k: output):
             with calibration.only(outside):
                 run_batch(calibration.model, item.batch)
-        finally:
-            for layer, forward in zip(layers, saved, strict=True):
-                if forward is None:
-                    del layer.forward
-                else:
-                    layer.forward = forward  # type: ignore[method-assign]
 
     indices = list(range(len(items))) if fed else []
     first = 0 if indices else None
