@@ -169,9 +169,9 @@ def test_a_new_attachment_starts_a_new_calibration() -> None:
 
 def test_strategies() -> None:
     assert isinstance(strategy_for(False), Local)
-    with pytest.raises(RuntimeError, match="needs an initialized torch.distributed"):
+    with pytest.raises(RuntimeError, match=r"needs an initialized torch\.distributed"):
         strategy_for(True)
-    with pytest.raises(RuntimeError, match="needs an initialized torch.distributed"):
+    with pytest.raises(RuntimeError, match=r"needs an initialized torch\.distributed"):
         ProcessGroup()
     local = Local()
     assert (local.rank, local.world, local.agrees_references) == (0, 1, False)
@@ -201,7 +201,8 @@ def test_observers_declare_their_needs() -> None:
 def test_an_imatrix_weight_needs_data() -> None:
     model = tiny_llama()
     weights = {"num_bits": 4, "strategy": "channel", "observer": "imatrix_mse"}
-    attach(model, Recipe(config_groups={"g": {"targets": ["Linear"], "weights": weights}}))
+    group = {"targets": ["Linear"], "weights": weights}
+    attach(model, Recipe(config_groups={"g": group}))
     assert needs_data(attachment_of(model))
     assert calibrate(model, token_batches(2), progress=False).batches == 2
 
@@ -250,5 +251,6 @@ def test_the_loop_knows_no_observer_class() -> None:
     serve declarations: no observer class or statistic among their names."""
     for module in (lifecycle, strategy, sequential, calibrate_module):
         names = set(vars(module))
-        assert not names & {"StaticMSEObserver", "CandidateErrors", "IMatrixMSEObserver"}
+        classes = {"StaticMSEObserver", "CandidateErrors", "IMatrixMSEObserver"}
+        assert not names & classes
         assert "ObserverEngine" not in names or module is strategy

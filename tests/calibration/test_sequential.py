@@ -176,7 +176,9 @@ def test_quantized_propagation_passes_the_fake_quantized_outputs() -> None:
     calibrate(plain, batches, progress=False, pipeline="layer")
     quantized = _Toy()
     attach(quantized, _toy_recipe())
-    calibrate(quantized, batches, progress=False, pipeline="layer", propagate="quantized")
+    calibrate(
+        quantized, batches, progress=False, pipeline="layer", propagate="quantized"
+    )
     # the first layer's weights are those it sees: its qparams are the same
     first = "layers.0.fc"
     plain_q, found = _qparams(plain), _qparams(quantized)
@@ -185,7 +187,8 @@ def test_quantized_propagation_passes_the_fake_quantized_outputs() -> None:
     # by hand: layer 0's weight fake-quantized under its written qparams, then
     # the whole model calibrated on it gives layer 1's input scale
     fc = quantized.layers[0].fc
-    args = next(e.args for e in attachment_of(quantized).entries if e.key == f"{first}.weight")
+    entries = attachment_of(quantized).entries
+    args = next(e.args for e in entries if e.key == f"{first}.weight")
     by_hand = _Toy()
     with torch.no_grad():
         by_hand.layers[0].fc.weight.copy_(
@@ -216,7 +219,8 @@ def test_auto_is_layer_by_layer_for_a_model_accelerate_offloads() -> None:
     model = build_decoder("llama")
     assert choose(model, "auto", needs_data=True) == "model"
     assert choose(model, "layer", needs_data=False) == "model"  # no batch runs
-    accelerate_hooks.add_hook_to_module(model.model.layers[1], accelerate_hooks.ModelHook())
+    hook = accelerate_hooks.ModelHook()
+    accelerate_hooks.add_hook_to_module(model.model.layers[1], hook)
     assert choose(model, "auto", needs_data=True) == "layer"
     assert choose(model, "model", needs_data=True) == "model"
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from quantobs.calibration.attach import attachment_of
+from quantobs.calibration.distributed import sync_observers
 from quantobs.calibration.lifecycle import (
     Calibration,
     CalibrationReport,
@@ -42,7 +43,6 @@ from quantobs.calibration.qparams import (
     set_qparams,
 )
 from quantobs.calibration.running import to_model_device
-from quantobs.calibration.distributed import sync_observers
 from quantobs.calibration.strategy import strategy_for
 
 __all__ = [

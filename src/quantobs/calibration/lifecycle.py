@@ -4,9 +4,9 @@
 attached (kept on its `Attachment`, created on first use). Its `status`
 moves through the steps, as compressed-tensors' `QuantizationStatus` does::
 
-    ATTACHED --observe--> OBSERVING --sync--> SYNCED --freeze--> FROZEN --export--> EXPORTED
-                              ^                                     |
-                              +---------------reopen----------------+
+    ATTACHED -observe-> OBSERVING -sync-> SYNCED -freeze-> FROZEN -export-> EXPORTED
+       ^                                                      |
+       +------------------------reopen------------------------+
 
 - `observe(batches)`: observe the weights this process owns, run the
   batches (whole model, or one decoder layer at a time:
@@ -368,10 +368,7 @@ class Calibration:
         entries = segment.entries
         inside = {id(e) for e in entries}
         mine = [
-            e
-            for i in self._owned_indices()
-            for e in self.groups[i]
-            if id(e) in inside
+            e for i in self._owned_indices() for e in self.groups[i] if id(e) in inside
         ]
         late = [e for e in mine if _needs(e, Need.INPUT_IMPORTANCE)]
         self._observe_weights(
@@ -407,12 +404,11 @@ class Calibration:
         their owners, write them (the weights of one layer, or all)."""
         groups = [self.groups[i] for i in indices]
         owners = [self._owners[i] for i in indices]
-        mine = [g for g, o in zip(groups, owners, strict=True) if o == self.strategy.rank]
+        rank = self.strategy.rank
+        mine = [g for g, o in zip(groups, owners, strict=True) if o == rank]
         # an attachment of the owned weights alone: compute_qparams then
         # computes no activation
-        view = Attachment(
-            self.attachment.recipe, entries=[e for g in mine for e in g]
-        )
+        view = Attachment(self.attachment.recipe, entries=[e for g in mine for e in g])
         qparams, _ = compute_qparams(view, weights=mine)
         self.strategy.share_weights(groups, owners, qparams)
         self._write(qparams)
@@ -517,4 +513,3 @@ class Calibration:
             if entry.base_name == "weight" and _needs(entry, Need.INPUT_IMPORTANCE):
                 for engine in entry.observer.gathered():
                     engine.clear_data()
-

@@ -50,7 +50,7 @@ else the largest `ModuleList` of modules of one class.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -247,7 +247,7 @@ def _replaced(
     (nor accelerate's, which wraps it: nothing is onloaded)."""
     saved = [layer.__dict__.get("forward") for layer in layers]
     for index, layer in enumerate(layers):
-        layer.forward = forward(index)  # type: ignore[method-assign]
+        layer.forward = forward(index)
     try:
         yield
     finally:
@@ -255,7 +255,7 @@ def _replaced(
             if own is None:
                 del layer.forward
             else:
-                layer.forward = own  # type: ignore[method-assign]
+                layer.forward = own
 
 
 def _capture(
@@ -280,11 +280,8 @@ def _capture(
 
         return forward
 
-    with _replaced(layers, recorder):
-        try:
-            run_batch(model, batch)
-        except _Captured:
-            pass
+    with _replaced(layers, recorder), suppress(_Captured):
+        run_batch(model, batch)
     if any(r is None for r in records):
         raise RuntimeError(
             f"the model ran without calling each of its decoder layers "
@@ -316,9 +313,10 @@ def _fake_quantized(entries: Iterable[Entry]) -> Iterator[None]:
                     f"{entry.key} is offloaded (use propagate='unquantized')"
                 )
             module = entry.module
+            scale = module.get_parameter("weight_scale")
             quantized = fake_quantize(
                 weight,
-                module.weight_scale,
+                scale,
                 getattr(module, "weight_zero_point", None),
                 entry.args,
                 g_idx=getattr(module, "weight_g_idx", None),
@@ -442,9 +440,9 @@ def _observe_outside(
     def replay(i: int) -> None:
         item = items[i]
         output = move(item.output, item.device) if item.offloaded else item.output
-        with _replaced(layers, lambda _: lambda *a, **k: output):
-            with calibration.only(outside):
-                run_batch(calibration.model, item.batch)
+        replaced = _replaced(layers, lambda _: lambda *a, **k: output)
+        with replaced, calibration.only(outside):
+            run_batch(calibration.model, item.batch)
 
     indices = list(range(len(items))) if fed else []
     first = 0 if indices else None

@@ -52,10 +52,10 @@ from pydantic import Field
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
-from quantobs.observers.needs import Need
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.importance import ImportanceObserver
 from quantobs.observers.mse import MemorylessMSEObserver, MSEOptions
+from quantobs.observers.needs import Need
 from quantobs.solvers.imatrix import imatrix_search, normalize_importance
 from quantobs.stats.base import Batch
 from quantobs.stats.importance import Importance
