@@ -237,3 +237,25 @@ def test_bad_pipelines_are_refused() -> None:
         calibrate(model, [batch], progress=False, propagate="fake")  # type: ignore[arg-type]
     calibrate(model, [batch], progress=False)  # auto: the whole model
     assert "0.input_scale" in _qparams(model)
+
+
+def test_a_model_with_accelerate_hooks_calibrates_layer_by_layer() -> None:
+    """accelerate's `AlignDevicesHook` on every layer (its forward wrapped):
+    `"auto"` calibrates layer by layer, with the qparams of the whole model,
+    and leaves accelerate's forwards in place."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    hooked, plain = build_decoder("llama"), build_decoder("llama")
+    for layer in hooked.model.layers:
+        accelerate_hooks.add_hook_to_module(
+            layer, accelerate_hooks.AlignDevicesHook(execution_device="cpu")
+        )
+    wrapped = [layer.forward for layer in hooked.model.layers]
+    for model in (hooked, plain):
+        attach(model, _recipe("kv_fp8", "llama"))
+    assert choose(hooked, "auto", needs_data=True) == "layer"
+    calibrate(hooked, _batches(), progress=False)  # auto: layer by layer
+    calibrate(plain, _batches(), progress=False, pipeline="model")
+    found, expected = _qparams(hooked), _qparams(plain)
+    assert found.keys() == expected.keys()
+    assert all(torch.equal(found[k], v) for k, v in expected.items())
+    assert [layer.forward for layer in hooked.model.layers] == wrapped
