@@ -30,9 +30,11 @@ importance, a second pass. The loop knows no observer class.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -44,6 +46,7 @@ from quantobs.calibration.experts import (
     routed_tokens,
     uncounted,
 )
+from quantobs.calibration.export import save_compressed
 from quantobs.calibration.qparams import (
     EmptyPolicy,
     QParams,
@@ -328,16 +331,14 @@ class Calibration:
         self.status = Status.FROZEN
         return self.fell_back
 
-    def export(self, out_dir: Any, **options: Any) -> Any:
+    def export(self, out_dir: str | os.PathLike[str], **options: Any) -> Path:
         """`save_compressed(model, out_dir, **options)` once frozen.
 
         Raises:
             RuntimeError: not frozen (calibrate first) or exported already.
         """
         self._require("export", Status.FROZEN)
-        from quantobs.calibration.export import save_compressed  # export extra
-
-        path = save_compressed(self.model, out_dir, **options)
+        path: Path = save_compressed(self.model, out_dir, **options)
         self.status = Status.EXPORTED
         return path
 

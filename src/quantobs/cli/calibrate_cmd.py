@@ -400,12 +400,12 @@ def _write_checkpoint(
     """`--out`: a failed write (full disk, no permission) is one line."""
     from safetensors import SafetensorError
 
-    from quantobs.calibration import save_compressed
+    from quantobs.calibration.lifecycle import Calibration
     from quantobs.calibration.tempfiles import DestinationBusy
 
     try:
-        with _experts_warnings():
-            return save_compressed(model, out, source_dir=directory)
+        with _experts_warnings():  # save_compressed, once frozen
+            return Calibration.of(model).export(out, source_dir=directory)
     except ValueError as error:
         raise UsageError(_one_line(error)) from None
     except DestinationBusy as error:
