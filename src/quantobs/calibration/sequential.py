@@ -390,9 +390,13 @@ def observe_layers(
     indices = list(range(len(items)))
     first = 0 if items else None
     # 2. each layer
+    per_layer = [
+        _inside(entries, f"{prefix}.{i}" if prefix else str(i))
+        for i in range(len(layers))
+    ]
     steps = progress_bar(list(enumerate(layers)), progress, "calibrating layers")
     for index, layer in steps:
-        mine = _inside(entries, f"{prefix}.{index}" if prefix else str(index))
+        mine = per_layer[index]
         outputs: dict[int, Any] = {}
 
         def run(
@@ -417,7 +421,7 @@ def observe_layers(
         for i in indices:
             items[i].advance(index, outputs.pop(i))
     # 3. outside the layers
-    inside = {id(e) for e in _inside(entries, prefix)} if prefix else set()
+    inside = {id(e) for mine in per_layer for e in mine}
     outside = [e for e in entries if id(e) not in inside]
     _observe_outside(calibration, outside, layers, items)
     return len(items)
