@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +46,7 @@ from quantobs.calibration.experts import (
     uncounted,
 )
 from quantobs.calibration.export import save_compressed
+from quantobs.calibration.outcome import CalibrationReport
 from quantobs.calibration.qparams import (
     EmptyPolicy,
     QParams,
@@ -85,69 +85,6 @@ class Status(str, Enum):
     SYNCED = "synced"
     FROZEN = "frozen"
     EXPORTED = "exported"
-
-
-@dataclass
-class CalibrationReport:
-    """What a `calibrate` call did.
-
-    Attributes:
-        modules: names of the modules whose qparams were written.
-        tokens: tokens each activation / attention observer has seen in all
-            (`"{module}.{base}"` -> count; the legacy token count, for every
-            activation shape), summed over processes when synced.
-        empty: observers that saw no data (their qparams fell back).
-        batches: batches run by this call (this process's; 0 when no
-            observer needs data: weight-only schemes).
-        seconds: wall time of this call.
-        experts: real tokens the router sent to each observed MoE expert
-            (`"...mlp.experts.3"` -> count) by the batches of every calibrate
-            call since attach (this process's; not kept by `save_state`;
-            empty when no batch ran).
-        unrouted: experts no token was routed to (count 0).
-        fallen_back: experts some of whose observers fell back to their
-            siblings' range (`on_empty="fallback"`).
-    """
-
-    modules: list[str] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)
-    empty: list[str] = field(default_factory=list)
-    batches: int = 0
-    seconds: float = 0.0
-    experts: dict[str, int] = field(default_factory=dict)
-    unrouted: list[str] = field(default_factory=list)
-    fallen_back: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        data = (
-            f"on {self.batches} batches"
-            if self.batches or self.tokens
-            else "from their weights alone (no observer needs data)"
-        )
-        lines = [
-            f"calibrated {len(self.modules)} modules {data} in {self.seconds:.2f} s"
-        ]
-        if self.tokens:
-            counts = sorted(self.tokens.values())
-            lines.append(
-                f"tokens per observer: min {counts[0]}, max {counts[-1]} "
-                f"({len(counts)} observers)"
-            )
-        if self.experts:
-            counts = sorted(self.experts.values())
-            lines.append(
-                f"tokens per expert: min {counts[0]}, max {counts[-1]} "
-                f"({len(counts)} experts)"
-            )
-        if self.unrouted:
-            lines.append(f"experts no token was routed to: {', '.join(self.unrouted)}")
-        if self.fallen_back:
-            lines.append(
-                f"experts with siblings' ranges: {', '.join(self.fallen_back)}"
-            )
-        if self.empty:
-            lines.append(f"saw no data (fallback range): {', '.join(self.empty)}")
-        return "\n".join(lines)
 
 
 def _needs(entry: Entry, need: Need) -> bool:
