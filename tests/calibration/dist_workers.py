@@ -487,10 +487,11 @@ def model_qparams(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def calibrate_model(
-    name: str, indices: list[int], sync: bool
+    name: str, indices: list[int], sync: bool, pipeline: str = "model"
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """Calibrate a fresh tiny Llama on the batches at `indices`, under
-    `model_recipe(name)`, or the preset `name` where it is one (`"NVFP4"`)."""
+    `model_recipe(name)`, or the preset `name` where it is one (`"NVFP4"`),
+    whole or one decoder layer at a time (`pipeline`)."""
     from quantobs.calibration import Recipe, attach, calibrate
     from tests.calibration.conftest import tiny_llama
 
@@ -505,7 +506,7 @@ def calibrate_model(
         attach(model, Recipe.from_scheme(name, ignore=["lm_head"]))
     data = model_batches()
     streamed = (data[i] for i in indices)  # a generator: never held whole
-    report = calibrate(model, streamed, progress=False, sync=sync)
+    report = calibrate(model, streamed, progress=False, sync=sync, pipeline=pipeline)
     return model_qparams(model), report.tokens
 
 
@@ -514,6 +515,13 @@ def models(rank: int, world: int) -> dict[str, Any]:
     mine = shard(rank, world)
     names = [*MODEL_OBSERVERS, "NVFP4", "imatrix_mse"]
     return {name: calibrate_model(name, mine, sync=True) for name in names}
+
+
+def layered(rank: int, world: int) -> dict[str, Any]:
+    """`calibrate(sync=True, pipeline="layer")` on each rank's shard."""
+    mine = shard(rank, world)
+    names = ["static_mse", "imatrix_mse"]
+    return {name: calibrate_model(name, mine, True, "layer") for name in names}
 
 
 def continued(path: str, rank: int, world: int) -> dict[str, Any]:

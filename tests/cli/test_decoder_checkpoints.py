@@ -261,3 +261,38 @@ def test_all_experts_feeds_every_token_to_every_expert(
     assert found is not None, out
     fewest, most = int(found.group(1)), int(found.group(2))
     assert (fewest == most) is all_experts, out
+
+
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            found.update({k: handle.get_tensor(k) for k in handle.keys()})  # noqa: SIM118
+    return found
+
+
+def test_layer_by_layer_writes_the_same_checkpoint(
+    tmp_path: Path, texts: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--pipeline layer` (one decoder layer at a time): the checkpoint of
+    `--pipeline model`, tensor for tensor (FP8 static inputs, FP8 kv cache)."""
+    source = save_decoder("llama", tmp_path / "source")
+    outs = {}
+    for pipeline in ("model", "layer"):
+        outs[pipeline] = tmp_path / pipeline
+        code = _calibrate(
+            source,
+            "FP8",
+            outs[pipeline],
+            texts,
+            "--kv-cache-scheme",
+            "FP8",
+            "--pipeline",
+            pipeline,
+        )
+        assert code == EXIT_OK, capsys.readouterr().err
+    whole, layered = _tensors(outs["model"]), _tensors(outs["layer"])
+    assert any(k.endswith("k_scale") for k in whole)
+    assert whole.keys() == layered.keys()
+    for key, value in whole.items():
+        assert torch.equal(layered[key], value), key

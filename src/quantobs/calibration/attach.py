@@ -146,6 +146,8 @@ class Attachment:
             the cache, without it).
         experts: the fused experts modules replaced while attached
             (`quantobs.calibration.experts`), by name.
+        calibration: its `quantobs.calibration.lifecycle.Calibration` (None
+            until first used).
     """
 
     recipe: Recipe
@@ -153,6 +155,7 @@ class Attachment:
     handles: list[RemovableHandle] = field(default_factory=list)
     attn_impl: str | None = None
     experts: list[str] = field(default_factory=list)
+    calibration: Any = None
 
     def by_key(self) -> dict[str, Entry]:
         """Entries by `Entry.key`."""

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["TokenMask", "current_mask", "real_tokens"]
+__all__ = ["TokenMask", "current_mask", "real_tokens", "using_mask"]
 
 Layout = Literal["tokens", "heads"]
 
@@ -105,5 +105,17 @@ def real_tokens(batch: Any) -> Iterator[TokenMask | None]:
     token = _CURRENT.set(None if mask is None else TokenMask.of(mask))
     try:
         yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextmanager
+def using_mask(mask: TokenMask | None) -> Iterator[TokenMask | None]:
+    """Make `mask` (one `real_tokens` gave for a batch) current again while
+    the block runs: a cached batch run layer by layer
+    (`quantobs.calibration.sequential`)."""
+    token = _CURRENT.set(mask)
+    try:
+        yield mask
     finally:
         _CURRENT.reset(token)

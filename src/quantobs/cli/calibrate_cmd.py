@@ -8,7 +8,8 @@ checkpoint.
                        [--batch-size 16] [--max-length 128]
                        [--ignore PATTERN ...] [--kv-cache-scheme FP8|INT8]
                        --out DIR [--resume STATE] [--save-state STATE]
-                       [--all-experts] [--distributed] [--no-progress]
+                       [--all-experts] [--pipeline auto|model|layer]
+                       [--distributed] [--no-progress]
 
 Loads the model as the class its `config.json` names and its tokenizer (with
 a pad token where it has none), offline (`quantobs.cli.model_loading`);
@@ -20,7 +21,10 @@ state, calibrates on `--data` (or the packaged calibration corpus), optionally
 saves the state, writes the checkpoint with `save_compressed` and prints the
 report, the held-out metrics of the quantized model against the unquantized
 one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
-the checkpoint's path. With `--distributed` (under `torchrun`),
+the checkpoint's path. `--pipeline layer` calibrates one decoder layer at
+a time (`quantobs.calibration.sequential`; the default, `auto`, does for a
+model accelerate offloads), with the same qparams. With `--distributed`
+(under `torchrun`),
 each process batches and calibrates its contiguous share of the texts and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
 """
@@ -140,6 +144,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "tokens routed to it; the model's outputs are unchanged",
     )
     parser.add_argument(
+        "--pipeline",
+        choices=("auto", "model", "layer"),
+        default="auto",
+        help="run each batch through the whole model, or one decoder layer at "
+        "a time (the hidden states cached between layers; same qparams); "
+        "auto: layer by layer when the model is offloaded (default: auto)",
+    )
+    parser.add_argument(
         "--distributed",
         action="store_true",
         help="under torchrun: each process calibrates its share of the texts, "
@@ -253,6 +265,7 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
             progress=False if options.no_progress else None,
             sync=group is not None,
             all_experts=options.all_experts,
+            pipeline=options.pipeline,
         )
     except RuntimeError as error:
         raise UsageError(f"calibration failed: {error}") from None
@@ -387,12 +400,12 @@ def _write_checkpoint(
     """`--out`: a failed write (full disk, no permission) is one line."""
     from safetensors import SafetensorError
 
-    from quantobs.calibration import save_compressed
+    from quantobs.calibration.lifecycle import Calibration
     from quantobs.calibration.tempfiles import DestinationBusy
 
     try:
-        with _experts_warnings():
-            return save_compressed(model, out, source_dir=directory)
+        with _experts_warnings():  # save_compressed, once frozen
+            return Calibration.of(model).export(out, source_dir=directory)
     except ValueError as error:
         raise UsageError(_one_line(error)) from None
     except DestinationBusy as error:

@@ -35,6 +35,7 @@ from quantobs.core.layout import (
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
 from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
+from quantobs.observers.needs import Need
 from quantobs.stats.base import Batch, Statistic
 from quantobs.stats.reduce import (
     NanPolicy,
@@ -98,6 +99,8 @@ class Observer(ObserverEngine, Registered):
     registry: ClassVar[Registry[Any]] = Registry("observer")
     name: ClassVar[str] = "observer"
     defer_checks = True  # `update` reads nothing on the host (issue 24)
+    #: what the calibration loop must serve (`quantobs.observers.needs`)
+    needs: ClassVar[frozenset[Need]] = frozenset()
 
     def __init__(
         self,
@@ -126,6 +129,20 @@ class Observer(ObserverEngine, Registered):
         self._clear_counts()
         #: the widest floating dtype observed so far (None: nothing yet)
         self.observed_dtype: torch.dtype | None = None
+
+    def has_reference(self) -> bool:
+        """Whether the reference range is fixed (observers that declare
+        `Need.SHARED_REFERENCE`; True for the others, which keep none)."""
+        return True
+
+    def gathered(self) -> list[ObserverEngine]:
+        """The engines its own hooks fill during the batches (observers that
+        declare `Need.INPUT_IMPORTANCE`; none for the others)."""
+        return []
+
+    def begin_second_pass(self) -> None:
+        """Called between the two passes (observers that declare
+        `Need.SECOND_PASS`); nothing for the others."""
 
     @classmethod
     def get_class(cls, name: str) -> type[Observer]:

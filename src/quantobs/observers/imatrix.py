@@ -55,6 +55,7 @@ from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.importance import ImportanceObserver
 from quantobs.observers.mse import MemorylessMSEObserver, MSEOptions
+from quantobs.observers.needs import Need
 from quantobs.solvers.imatrix import imatrix_search, normalize_importance
 from quantobs.stats.base import Batch
 from quantobs.stats.importance import Importance
@@ -153,6 +154,11 @@ class IMatrixMSEObserver(Observer):
     Options = IMatrixMSEOptions
     options: IMatrixMSEOptions
     needs_values = True
+    needs = frozenset({Need.INPUT_IMPORTANCE})
+
+    def gathered(self) -> list[ObserverEngine]:
+        """The importance its hook gathers during the batches."""
+        return [self.importance]
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from pydantic import Field, model_validator
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.needs import Need
 from quantobs.solvers.mse import mse_search
 from quantobs.solvers.mse_discrete import (
     ScaleSearch,
@@ -234,6 +235,12 @@ class StaticMSEObserver(Observer):
     statistic_cls = CandidateErrors
     Options = StaticMSEOptions
     options: StaticMSEOptions
+    needs = frozenset({Need.SHARED_REFERENCE})
+
+    def has_reference(self) -> bool:
+        """Whether the reference range the candidates shrink is fixed."""
+        stat = self.statistic()
+        return isinstance(stat, CandidateErrors) and stat.has_reference
 
     def statistic_config(self) -> dict[str, Any]:
         opts = self.options
