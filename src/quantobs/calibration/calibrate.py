@@ -31,6 +31,7 @@ from quantobs.calibration.experts import (
     routed_tokens,
     uncounted,
 )
+from quantobs.calibration.offload import first_device
 from quantobs.calibration.owners import broadcast_from_owners, owners_by_size
 from quantobs.calibration.qparams import (
     EmptyPolicy,
@@ -151,7 +152,7 @@ def text_batches(
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+    return first_device(model)  # offloaded parameters are on the meta device
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -62,13 +62,23 @@ import torch
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.recipe import Recipe
-from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
+from quantobs.calibration.freeze import freeze
+from quantobs.calibration.simulate import calibrated_qparams, detached_copy
 from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
-__all__ = ["SUPPORTED_FORMATS", "checkpoint_formats", "save_compressed"]
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "SUPPORTED_FORMATS",
+    "checkpoint_formats",
+    "save_compressed",
+    "shard_bytes",
+]
+
+#: The largest safetensors file `save_compressed` writes by default.
+DEFAULT_SHARD_SIZE = "5GB"
 
 #: The compressed-tensors formats `save_compressed` writes.
 SUPPORTED_FORMATS = (
@@ -335,17 +345,61 @@ def _default_source(model: torch.nn.Module) -> Path | None:
 # ------------------------------------------------------------------- writing
 
 
+def shard_bytes(max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes (`"5GB"`, `"500MB"`, `"2GiB"` or an int).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    if isinstance(max_shard_size, bool):
+        raise ValueError(f"max_shard_size must be a size, got {max_shard_size!r}")
+    if isinstance(max_shard_size, int):
+        size = max_shard_size
+    else:
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        try:
+            size = parse_size_to_int(str(max_shard_size))
+        except ValueError:
+            raise ValueError(
+                f"max_shard_size {max_shard_size!r} is not a size such as '5GB', "
+                "'500MB' or '2GiB'"
+            ) from None
+    if size < 1:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    return size
+
+
+def _sorted_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in the order transformers sorts the names of
+    one it converts back to its checkpoint's names, so that the shards hold
+    the same tensors whether the model is offloaded (converted shard by
+    shard) or not (converted whole)."""
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:  # pragma: no cover - depends on transformers' version
+        return model.state_dict()
+    return dict(sorted(model.state_dict().items(), key=lambda kv: dot_natural_key(kv[0])))
+
+
 def _write(
     model: torch.nn.Module,
+    qparams: Mapping[str, Mapping[str, torch.Tensor]],
     formats: Mapping[str, str],
     temp: Path,
+    *,
+    copy: bool,
+    max_shard_size: int,
 ) -> None:
-    from compressed_tensors import ModelCompressor
-
-    clone = compressed_tensors_copy(model, formats)
-    compressor = ModelCompressor.from_pretrained_model(clone)
-    compressor.compress_model(clone)
-    clone.save_pretrained(temp)  # type: ignore[operator]
+    attachment = attachment_of(model)
+    target = detached_copy(model) if copy else model
+    compressor = freeze(target, qparams, formats, attachment if copy else None)
+    with warnings.catch_warnings():
+        # transformers' advice for offloaded models: it writes shard by shard
+        warnings.filterwarnings("ignore", "Attempting to save a model with offloaded")
+        target.save_pretrained(  # type: ignore[operator]
+            temp, state_dict=_sorted_state(target), max_shard_size=max_shard_size
+        )
     compressor.update_config(str(temp))
 
 
@@ -356,13 +410,27 @@ def save_compressed(
     source_dir: str | os.PathLike[str] | None = None,
     format: str | None = None,
     overwrite: bool = False,
+    copy: bool = False,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
 ) -> Path:
     """Write the calibrated `model` as a compressed-tensors checkpoint.
 
     Call it after `calibrate`, with the observers still attached (the
-    attachment holds the recipe); the model is not modified. The checkpoint
-    loads with `transformers.AutoModel.from_pretrained(out_dir)` (dequantized
-    with `CompressedTensorsConfig(dequantize=True)`) and with vLLM::
+    attachment holds the recipe). By default the model itself is frozen and
+    compressed (`quantobs.calibration.freeze`: observers and hooks removed,
+    each module compressed in turn, its original weight freed), so that the
+    export needs no second copy of the weights; it is then a
+    compressed-tensors model that no longer calibrates or runs. `copy=True`
+    compresses a copy instead and leaves the model as it was (twice the
+    weights' memory). The weights are written shard by shard (transformers'
+    `save_pretrained`: safetensors files of at most `max_shard_size`, with a
+    `model.safetensors.index.json` when there are several): no more than one
+    shard is held beyond the model, and a model loaded with accelerate's
+    offloading (`device_map`, `offload_folder`) is compressed one module at
+    a time and written without loading all its weights. The checkpoint is
+    the same, bit for bit, whichever way. It loads with
+    `transformers.AutoModel.from_pretrained(out_dir)` (dequantized with
+    `CompressedTensorsConfig(dequantize=True)`) and with vLLM::
 
         attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
         calibrate(model, text_batches(tokenizer, sentences))
@@ -377,6 +445,10 @@ def save_compressed(
         format: a compressed-tensors format (`SUPPORTED_FORMATS`) for every
             config group; None infers each group's as llm-compressor does.
         overwrite: replace an existing non-empty `out_dir`.
+        copy: compress a copy and leave the model unchanged (its observers
+            attached, calibration resumable) instead of the model itself.
+        max_shard_size: the largest safetensors file (`"5GB"`, `"500MB"`, or
+            bytes); a tensor larger than it gets a file of its own.
 
     Returns:
         The checkpoint directory (absolute).
@@ -386,9 +458,10 @@ def save_compressed(
         TypeError: the model has no `save_pretrained`.
         ValueError: a scheme with no supported format, a `format` that
             cannot store it, calibrated `Conv1D` layers (named, with the
-            ignore pattern that leaves them out), or qparams
-            compressed-tensors would not place as calibrated (states it does
-            not quantize, targets it resolves otherwise).
+            ignore pattern that leaves them out), a bad `max_shard_size`, or
+            qparams compressed-tensors would not place as calibrated (states
+            it does not quantize, targets it resolves otherwise; found once
+            the model is frozen: without `copy` its observers are gone).
         FileExistsError: `out_dir` is a file, or not empty without
             `overwrite`.
         FileNotFoundError: `source_dir` is not a directory.
@@ -409,7 +482,8 @@ def save_compressed(
         )
     _refuse_transposed(attachment)
     formats = checkpoint_formats(attachment.recipe, format)
-    calibrated_qparams(attachment)  # not calibrated: fail before any write
+    shard_size = shard_bytes(max_shard_size)
+    qparams = calibrated_qparams(attachment)  # not calibrated: fail before writing
     caveats = reload_caveats(attachment, formats)
     if caveats:
         warnings.warn(
@@ -428,7 +502,9 @@ def save_compressed(
     _check_destination(out, overwrite)
     temp, created = _temp_dir(out)
     try:
-        _write(model, formats, temp)
+        _write(
+            model, qparams, formats, temp, copy=copy, max_shard_size=shard_size
+        )
         if source is not None:
             _copy_sources(source, temp, out)
         with exclusive(out):
