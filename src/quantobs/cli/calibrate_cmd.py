@@ -271,9 +271,10 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
         return
     if options.save_state is not None:
         _write_state(model, options.save_state)
+    summary = evaluate(model, held_out).summary()  # before the export freezes it
     path = _write_checkpoint(model, out, directory, options.save_state)
     print(report)
-    print(evaluate(model, held_out).summary())
+    print(summary)
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
