@@ -403,7 +403,7 @@ def test_attention_and_kv_cache_scales_are_exported(tmp_path: Path) -> None:
     model = tiny_llama()
     attach(model, _attention_recipe("LlamaAttention"))
     calibrate(model, token_batches(2), progress=False)
-    out = save_compressed(model, tmp_path / "llama")
+    out = save_compressed(model, tmp_path / "llama", copy=True)  # read after
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "float-quantized"
     assert quant["kv_cache_scheme"]["type"] == "float"

@@ -267,7 +267,9 @@ def test_write_parameter_keeps_values_where_the_weights_live(
     torch.testing.assert_close(read_tensor(layer, "weight"), weight, rtol=0, atol=0)
     write_parameter(layer, "weight_scale", torch.full((4, 1), 0.5))
     assert layer.weight_scale.is_meta and layer.weight.is_meta
-    torch.testing.assert_close(read_tensor(layer, "weight_scale"), torch.full((4, 1), 0.5))
+    torch.testing.assert_close(
+        read_tensor(layer, "weight_scale"), torch.full((4, 1), 0.5)
+    )
     hook = layer._hf_hook  # what accelerate does around the forward
     hook.pre_forward(layer, inputs)
     assert torch.equal(layer.weight_scale, torch.full((4, 1), 0.5))

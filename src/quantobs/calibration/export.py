@@ -61,8 +61,8 @@ import torch
 
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
-from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.freeze import freeze
+from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.simulate import calibrated_qparams, detached_copy
 from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
@@ -379,7 +379,9 @@ def _sorted_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import dot_natural_key
     except ImportError:  # pragma: no cover - depends on transformers' version
         return model.state_dict()
-    return dict(sorted(model.state_dict().items(), key=lambda kv: dot_natural_key(kv[0])))
+    return dict(
+        sorted(model.state_dict().items(), key=lambda kv: dot_natural_key(kv[0]))
+    )
 
 
 def _write(
@@ -502,9 +504,7 @@ def save_compressed(
     _check_destination(out, overwrite)
     temp, created = _temp_dir(out)
     try:
-        _write(
-            model, qparams, formats, temp, copy=copy, max_shard_size=shard_size
-        )
+        _write(model, qparams, formats, temp, copy=copy, max_shard_size=shard_size)
         if source is not None:
             _copy_sources(source, temp, out)
         with exclusive(out):

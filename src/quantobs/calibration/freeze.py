@@ -87,7 +87,7 @@ def compress_modules(model: torch.nn.Module) -> None:
     for module in model.modules():
         if not is_module_quantized(module):
             continue
-        scheme = module.quantization_scheme
+        scheme: Any = module.quantization_scheme
         scheme.format = CompressionFormat(
             scheme.format or infer_module_format(type(module), scheme)
         )

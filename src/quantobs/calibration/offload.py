@@ -101,7 +101,7 @@ def _home_device(module: torch.nn.Module, tensor: torch.Tensor) -> torch.device:
 
 
 def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
-    found = module._parameters.get(name)
+    found: torch.Tensor | None = module._parameters.get(name)
     if found is None:
         found = module._buffers.get(name)
     if found is None:
@@ -144,7 +144,8 @@ def onloaded(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield module
         return
     loaded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-    for store in (module._parameters, module._buffers):
+    stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    for store in stores:
         for name, tensor in list(store.items()):
             if tensor is None or not tensor.is_meta:
                 continue
@@ -178,7 +179,9 @@ def _on_disk(loader: Any, module: torch.nn.Module, prefix: str) -> bool:
     return not in_memory and loader.save_folder is not None
 
 
-def _offload(module: torch.nn.Module, hook: Any, name: str, value: torch.Tensor) -> None:
+def _offload(
+    module: torch.nn.Module, hook: Any, name: str, value: torch.Tensor
+) -> None:
     """Put `value` into the hook's `weights_map` under `name`, where the
     module's weights are kept."""
     prefix, store = _dataset(hook.weights_map)
@@ -246,10 +249,10 @@ def hooks_unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         if "_old_forward" in module.__dict__ and "forward" in module.__dict__
     ]
     for module, _ in wrapped:
-        module.forward = module._old_forward
+        module.__dict__["forward"] = module.__dict__["_old_forward"]
     try:
         yield model
     finally:
         for module, hooked in wrapped:
-            module._old_forward = module.__dict__.get("forward", module._old_forward)
-            module.forward = hooked
+            module.__dict__["_old_forward"] = module.__dict__["forward"]
+            module.__dict__["forward"] = hooked
