@@ -581,7 +581,7 @@ def test_a_failure_midway_removes_everything_written(
 ) -> None:
     from quantobs.calibration import export
 
-    def half_write(*args: Any) -> None:
+    def half_write(*args: Any, **kwargs: Any) -> None:
         temp = args[-1]
         (temp / "model.safetensors").write_bytes(b"half")
         raise OSError(28, "No space left on device")

@@ -300,3 +300,21 @@ def test_a_meta_weight_without_an_offload_hook_is_a_clear_error() -> None:
     layer = torch.nn.Linear(8, 4, device="meta")
     with pytest.raises(RuntimeError, match="no accelerate offload hook"):
         read_tensor(layer, "weight")
+
+
+@pytest.mark.filterwarnings("ignore::quantobs.calibration.ExpertsReloadWarning")
+def test_fused_experts_export_in_place_as_from_a_copy(tmp_path: Path) -> None:
+    """MoE experts stored fused: the in-place export keeps their per-expert
+    Linears and writes the checkpoint a copy writes."""
+    from tests.decoders import build_decoder
+
+    def calibrated() -> torch.nn.Module:
+        model = build_decoder("qwen3_moe")
+        attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+        calibrate(model, [{"input_ids": torch.arange(32).reshape(2, 16)}])
+        return model
+
+    copied = save_compressed(calibrated(), tmp_path / "copy", copy=True)
+    in_place = save_compressed(calibrated(), tmp_path / "in-place")
+    assert _files(in_place) == _files(copied)
+    assert any("experts.3." in k for k in _tensors(in_place))
