@@ -9,6 +9,8 @@ checkpoint.
                        [--ignore PATTERN ...] [--kv-cache-scheme FP8|INT8]
                        --out DIR [--resume STATE] [--save-state STATE]
                        [--all-experts] [--distributed] [--no-progress]
+                       [--offload-folder DIR [--max-memory DEVICE=SIZE ...]]
+                       [--max-shard-size 5GB]
 
 Loads the model as the class its `config.json` names and its tokenizer (with
 a pad token where it has none), offline (`quantobs.cli.model_loading`);
@@ -22,7 +24,10 @@ report, the held-out metrics of the quantized model against the unquantized
 one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
 the checkpoint's path. With `--distributed` (under `torchrun`),
 each process batches and calibrates its contiguous share of the texts and the
-statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
+statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
+`--offload-folder` the model is loaded with accelerate's offloading
+(`quantobs.cli.offloading`); the checkpoint is written in place (the model
+is frozen after its evaluation) in files of at most `--max-shard-size`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from quantobs.cli.inputs import (
 )
 from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
 from quantobs.cli.model_loading import load_model
+from quantobs.cli.offloading import add_offload_options, load_options, shard_size
 from quantobs.cli.torchrun import TorchrunGroup
 
 __all__ = ["add_parser", "run_calibrate", "shard"]
@@ -145,6 +151,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="under torchrun: each process calibrates its share of the texts, "
         "statistics are synced (gloo on CPU, NCCL on CUDA), process 0 writes",
     )
+    add_offload_options(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run_calibrate)
     return parser
@@ -219,10 +226,11 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     out: Path = options.out
     _check_out(out)
     _check_format(options, scheme)
+    loading, max_shard_size = load_options(options), shard_size(options)
     if group is not None:
         calibration = _my_texts(calibration, group.rank, group.world)
     saved = None if options.resume is None else _read_resume(options.resume)
-    model, tokenizer = load_model(directory)
+    model, tokenizer = load_model(directory, **loading)
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
@@ -272,7 +280,7 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     if options.save_state is not None:
         _write_state(model, options.save_state)
     summary = evaluate(model, held_out).summary()  # before the export freezes it
-    path = _write_checkpoint(model, out, directory, options.save_state)
+    path = _write_checkpoint(model, out, directory, options.save_state, max_shard_size)
     print(report)
     print(summary)
     if options.save_state is not None:
@@ -383,7 +391,7 @@ def _write_state(model: Any, path: Path) -> None:
 
 
 def _write_checkpoint(
-    model: Any, out: Path, directory: Path, state: Path | None
+    model: Any, out: Path, directory: Path, state: Path | None, max_shard_size: int
 ) -> Path:
     """`--out`: a failed write (full disk, no permission) is one line."""
     from safetensors import SafetensorError
@@ -393,7 +401,9 @@ def _write_checkpoint(
 
     try:
         with _experts_warnings():
-            return save_compressed(model, out, source_dir=directory)
+            return save_compressed(
+                model, out, source_dir=directory, max_shard_size=max_shard_size
+            )
     except ValueError as error:
         raise UsageError(_one_line(error)) from None
     except DestinationBusy as error:
