@@ -1,11 +1,16 @@
 """Save a calibrated model as a compressed-tensors checkpoint.
 
 `save_compressed(model, out_dir)` writes what llm-compressor writes, with
-compressed-tensors' own compressors: on the deep copy of the model that
-compressed-tensors quantized with our qparams (`simulate.compressed_tensors_copy`;
-the calibrated model, its observers and hooks stay as they were) it compresses
-the weights (`ModelCompressor.compress_model`), saves with `save_pretrained`
-and adds `quantization_config` to `config.json` (`ModelCompressor.update_config`).
+compressed-tensors' own compressors: it freezes the calibrated model itself
+(`quantobs.calibration.freeze`: observers and hooks removed,
+compressed-tensors' quantization with our qparams, each module compressed in
+turn) or, with `copy=True`, a deep copy of it (the model, its observers and
+hooks stay as they were); saves with `save_pretrained` shard by shard
+(`max_shard_size`) and adds `quantization_config` to `config.json`
+(`ModelCompressor.update_config`). A model loaded with accelerate's
+offloading is compressed one module at a time where it keeps its weights
+(`quantobs.calibration.offload`); its checkpoint is the in-memory one, bit
+for bit.
 The other files of the source checkpoint (tokenizer, README, ...) are copied
 beside them. The checkpoint loads with transformers (`CompressedTensorsConfig`)
 and vLLM.
@@ -42,9 +47,11 @@ process left are removed by the next save to the same `out_dir`. The final
 check-and-rename holds the lock file `.NAME.lock` beside `out_dir`: a second
 writer of the same `out_dir` meanwhile is refused (`DestinationBusy`).
 
-The copy holds a second set of the model's weights while it is written (on
-the model's device). Under `torch.distributed`, call it on one process. It
-needs the `export` extra (compressed-tensors, transformers, safetensors).
+In place, the export holds no second copy of the weights (each module's
+compressed tensors replace its weight; the shards are written from the
+model's own tensors); `copy=True` holds a second set while it is written
+(on the model's device). Under `torch.distributed`, call it on one process.
+It needs the `export` extra (compressed-tensors, transformers, safetensors).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.freeze import freeze
 from quantobs.calibration.recipe import Recipe
+from quantobs.calibration.shards import DEFAULT_SHARD_SIZE, shard_bytes, sorted_state
 from quantobs.calibration.simulate import calibrated_qparams, detached_copy
 from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
@@ -77,8 +85,6 @@ __all__ = [
     "shard_bytes",
 ]
 
-#: The largest safetensors file `save_compressed` writes by default.
-DEFAULT_SHARD_SIZE = "5GB"
 
 #: The compressed-tensors formats `save_compressed` writes.
 SUPPORTED_FORMATS = (
@@ -345,45 +351,6 @@ def _default_source(model: torch.nn.Module) -> Path | None:
 # ------------------------------------------------------------------- writing
 
 
-def shard_bytes(max_shard_size: int | str) -> int:
-    """`max_shard_size` in bytes (`"5GB"`, `"500MB"`, `"2GiB"` or an int).
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    if isinstance(max_shard_size, bool):
-        raise ValueError(f"max_shard_size must be a size, got {max_shard_size!r}")
-    if isinstance(max_shard_size, int):
-        size = max_shard_size
-    else:
-        from huggingface_hub.serialization._base import parse_size_to_int
-
-        try:
-            size = parse_size_to_int(str(max_shard_size))
-        except ValueError:
-            raise ValueError(
-                f"max_shard_size {max_shard_size!r} is not a size such as '5GB', "
-                "'500MB' or '2GiB'"
-            ) from None
-    if size < 1:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    return size
-
-
-def _sorted_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in the order transformers sorts the names of
-    one it converts back to its checkpoint's names, so that the shards hold
-    the same tensors whether the model is offloaded (converted shard by
-    shard) or not (converted whole)."""
-    try:
-        from transformers.core_model_loading import dot_natural_key
-    except ImportError:  # pragma: no cover - depends on transformers' version
-        return model.state_dict()
-    return dict(
-        sorted(model.state_dict().items(), key=lambda kv: dot_natural_key(kv[0]))
-    )
-
-
 def _write(
     model: torch.nn.Module,
     qparams: Mapping[str, Mapping[str, torch.Tensor]],
@@ -400,7 +367,7 @@ def _write(
         # transformers' advice for offloaded models: it writes shard by shard
         warnings.filterwarnings("ignore", "Attempting to save a model with offloaded")
         target.save_pretrained(  # type: ignore[operator]
-            temp, state_dict=_sorted_state(target), max_shard_size=max_shard_size
+            temp, state_dict=sorted_state(target), max_shard_size=max_shard_size
         )
     compressor.update_config(str(temp))
 
