@@ -12,10 +12,13 @@ writes the compressed-tensors checkpoint; it reports
 * `calib s`: calibration (quantobs `attach` + `calibrate`; llm-compressor
   `oneshot`), `export s`: writing the checkpoint (`save_compressed`;
   `save_pretrained(save_compressed=True)`), both without the model's load;
-* `peak RSS`: the process's peak resident memory (`ru_maxrss`) in GB, its
-  ratio to the model's size on disk (`x model`) and the same above what the
-  interpreter held before loading the model (`x model net`); the peak
-  device memory where the model runs on an accelerator;
+* `peak RSS`: the process's peak resident memory in GB from the model's load
+  to the end of the export (Linux: `VmHWM` after resetting it once the
+  imports are done, since a child's `ru_maxrss` starts at its parent's
+  resident memory; elsewhere `ru_maxrss`), its ratio to the model's size on
+  disk (`x model`) and the same for the peak above what the interpreter held
+  before loading the model (`net`); the peak device memory where the model
+  runs on an accelerator;
 * `same as`: whether the checkpoint equals quantobs' in-memory one bit for
   bit (every shard, the index and config.json: `bits`), else how many of
   its tensors are bit-identical to it.
@@ -102,6 +105,17 @@ def build_model(size: str, folder: Path) -> int:
     model.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def _build_in_child(size: str, folder: Path) -> int:
+    """`build_model` in a subprocess (this one never holds the model)."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--build", size, str(folder)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.strip().splitlines()[-1])
 
 
 def _tokenizer() -> Any:
@@ -213,9 +227,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--build", nargs=2, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child is not None:
         child(json.loads(opts.child))
+        return
+    if opts.build is not None:
+        print(build_model(opts.build[0], Path(opts.build[1])))
         return
     size = "small" if opts.small else opts.size
     import torch
@@ -223,7 +241,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="qo-bench-scale-"))
     try:
         source = root / "model"
-        count = build_model(size, source)
+        count = _build_in_child(size, source)
         model_gb = sum(p.stat().st_size for p in source.glob("*.safetensors")) / 1e9
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -272,8 +290,36 @@ def main() -> None:
 # ------------------------------------------------------------------- child
 
 
+def _status_gb(field: str) -> float | None:
+    """`VmRSS` / `VmHWM` of this process from /proc (None elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset this process's peak resident memory (Linux: `clear_refs` 5),
+    so that the peak counts from now: a child's `ru_maxrss` starts at its
+    parent's resident memory at the fork."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def _rss_gb() -> float:
-    # ru_maxrss: kilobytes on Linux, bytes on macOS
+    """The peak resident memory since `_reset_peak` (`VmHWM`), else the
+    process's `ru_maxrss` (kilobytes on Linux, bytes on macOS)."""
+    found = _status_gb("VmHWM")
+    if found is not None:
+        return found
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
@@ -330,7 +376,8 @@ def child(job: dict[str, Any]) -> None:
     device: Any = 0 if cuda else "cpu"
     ids = _data(job)
     _import_all(job)  # no import is timed
-    base = _rss_gb()
+    _reset_peak()
+    base = _status_gb("VmRSS") or _rss_gb()
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
     if job["way"].endswith("offload"):
         kwargs["device_map"] = _device_map(job["layers"], device)
