@@ -16,9 +16,10 @@ writes the compressed-tensors checkpoint; it reports
   to the end of the export (Linux: `VmHWM` after resetting it once the
   imports are done, since a child's `ru_maxrss` starts at its parent's
   resident memory; elsewhere `ru_maxrss`), its ratio to the model's size on
-  disk (`x model`) and the same for the peak above what the interpreter held
-  before loading the model (`net`); the peak device memory where the model
-  runs on an accelerator;
+  disk (`x model`), and the peak of each stage (`load`: transformers'
+  `from_pretrained`; `calib`; `export`) above what the interpreter held
+  before loading the model, in model sizes; the peak device memory where
+  the model runs on an accelerator;
 * `same as`: whether the checkpoint equals quantobs' in-memory one bit for
   bit (every shard, the index and config.json: `bits`), else how many of
   its tensors are bit-identical to it.
@@ -204,12 +205,15 @@ def _row(way: str, result: dict[str, Any], model_gb: float, same: str) -> str:
         return f"  {way:<16}skipped: {result['skipped']}"
     if "error" in result:
         return f"  {way:<16}failed: {result['error']}"
-    peak = result["peak_rss_gb"]
-    net = peak - result["base_rss_gb"]
+    peak, base = result["peak_rss_gb"], result["base_rss_gb"]
+    stages = "".join(
+        f"{(result['peaks_gb'][s] - base) / model_gb:>7.2f}x"
+        for s in ("load", "calib", "export")
+    )
     device = result.get("device_peak_gb")
     text = (
         f"  {way:<16}{result['calib_s']:>8.1f}{result['export_s']:>9.1f}"
-        f"{peak:>10.2f}{peak / model_gb:>9.2f}x{net / model_gb:>8.2f}x"
+        f"{peak:>10.2f}{peak / model_gb:>9.2f}x{stages}"
     )
     if device is not None:
         text += f"{device:>9.2f}"
@@ -253,7 +257,8 @@ def main() -> None:
             print(f"\n{scheme}")
             print(
                 f"  {'way':<16}{'calib s':>8}{'export s':>9}{'peak RSS':>10}"
-                f"{'x model':>10}{'net':>9}  same as memory"
+                f"{'x model':>10}{'load':>8}{'calib':>8}{'export':>8}"
+                "  same as memory"
             )
             reference: Path | None = None
             for way in opts.ways.split(","):
@@ -312,6 +317,16 @@ def _reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+#: the peak resident memory (GB) of each stage of the child: load, calib, export
+_PEAKS: dict[str, float] = {}
+
+
+def _mark(stage: str) -> None:
+    """Record the peak since the last mark as `stage`'s, and start anew."""
+    _PEAKS[stage] = _rss_gb()
+    _reset_peak()
 
 
 def _rss_gb() -> float:
@@ -386,6 +401,7 @@ def child(job: dict[str, Any]) -> None:
         kwargs["device_map"] = {"": 0}
     model = transformers.AutoModelForCausalLM.from_pretrained(job["source"], **kwargs)
     model.eval()
+    _mark("load")
     if job["way"].startswith("oneshot"):
         calib_s, export_s = _oneshot(model, ids, job)
     else:
@@ -394,7 +410,8 @@ def child(job: dict[str, Any]) -> None:
         "calib_s": calib_s,
         "export_s": export_s,
         "base_rss_gb": base,
-        "peak_rss_gb": _rss_gb(),
+        "peak_rss_gb": max(_PEAKS.values()),
+        "peaks_gb": dict(_PEAKS),
     }
     if cuda:
         result["device_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -419,8 +436,11 @@ def _quantobs(model: Any, ids: Any, job: dict[str, Any]) -> tuple[float, float]:
     attach(model, Recipe.from_scheme(job["scheme"], ignore=["lm_head"]))
     calibrate(model, batches, progress=False, **extra)
     middle = time.perf_counter()
+    _mark("calib")
     save_compressed(model, job["out"])
-    return middle - start, time.perf_counter() - middle
+    end = time.perf_counter()
+    _mark("export")
+    return middle - start, end - middle
 
 
 def _oneshot(model: Any, ids: Any, job: dict[str, Any]) -> tuple[float, float]:
@@ -447,8 +467,11 @@ def _oneshot(model: Any, ids: Any, job: dict[str, Any]) -> tuple[float, float]:
         shuffle_calibration_samples=False,
     )
     middle = time.perf_counter()
+    _mark("calib")
     model.save_pretrained(job["out"], save_compressed=True)
-    return middle - start, time.perf_counter() - middle
+    end = time.perf_counter()
+    _mark("export")
+    return middle - start, end - middle
 
 
 if __name__ == "__main__":
