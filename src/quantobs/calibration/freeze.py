@@ -19,6 +19,9 @@ saves (transformers' `save_pretrained`) but no longer calibrates or runs
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,6 +102,29 @@ def compress_modules(model: torch.nn.Module) -> None:
             state = _own_state(module)
             compressed = compressor.compress(dict(state), scheme)
         _replace(module, compressed)
+        del state, compressed
+        _give_back_freed_memory()
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's `malloc_trim`, or None (another C library, another OS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap memory freed by a module's compression to the OS:
+    without it the allocator keeps each module's temporaries (several times
+    its weight) in fragments, and the export's resident memory grows by
+    about half the model (measured: 1.6-2x the model's size instead of 1.05x
+    for a 156M-parameter Llama, benchmarks/bench_scale.py)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _own_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
