@@ -159,7 +159,10 @@ def exported(
     model = calibrated(scheme)
     before = copy.deepcopy(model.state_dict())
     hooks = _hooks(model)
-    out = save_compressed(model, tmp_path_factory.mktemp(scheme) / "checkpoint")
+    # a copy: the tests read the calibrated model after its export
+    out = save_compressed(
+        model, tmp_path_factory.mktemp(scheme) / "checkpoint", copy=True
+    )
     weights = _fake_quantized_weights(model)
     reference = transformers.AutoModel.from_pretrained(minilm_dir()).eval()
     with torch.no_grad():
@@ -349,7 +352,7 @@ def test_groups_of_different_formats_make_a_mixed_precision_checkpoint(
     model = transformers.AutoModel.from_pretrained(minilm_dir()).eval()
     attach(model, recipe)
     calibrate(model, batches[:1], progress=False)
-    out = save_compressed(model, tmp_path / "mixed")
+    out = save_compressed(model, tmp_path / "mixed", copy=True)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "mixed-precision"
     formats = {g["format"] for g in quant["config_groups"].values()}
@@ -403,7 +406,7 @@ def test_attention_and_kv_cache_scales_are_exported(tmp_path: Path) -> None:
     model = tiny_llama()
     attach(model, _attention_recipe("LlamaAttention"))
     calibrate(model, token_batches(2), progress=False)
-    out = save_compressed(model, tmp_path / "llama")
+    out = save_compressed(model, tmp_path / "llama", copy=True)  # read after
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "float-quantized"
     assert quant["kv_cache_scheme"]["type"] == "float"
@@ -521,7 +524,9 @@ def test_an_existing_directory_is_kept_unless_overwrite(
     with pytest.raises(FileExistsError, match="not a directory"):
         save_compressed(model, file, overwrite=True)
     # overwrite replaces it whole; a forced format applies to every group
-    found = save_compressed(model, out, overwrite=True, format="pack-quantized")
+    found = save_compressed(
+        model, out, overwrite=True, format="pack-quantized", copy=True
+    )
     assert found == out
     assert not (out / "keep.txt").exists()
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -535,7 +540,7 @@ def test_an_empty_directory_is_filled(
     out = tmp_path / "nested" / "checkpoint"
     out.mkdir(parents=True)
     model = calibrated("W8A16")
-    found = save_compressed(model, out, source_dir=tmp_path / "nested")
+    found = save_compressed(model, out, source_dir=tmp_path / "nested", copy=True)
     # source files: only what save_pretrained wrote (the source is empty)
     assert found == out
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
@@ -580,7 +585,7 @@ def test_a_failure_midway_removes_everything_written(
 ) -> None:
     from quantobs.calibration import export
 
-    def half_write(*args: Any) -> None:
+    def half_write(*args: Any, **kwargs: Any) -> None:
         temp = args[-1]
         (temp / "model.safetensors").write_bytes(b"half")
         raise OSError(28, "No space left on device")

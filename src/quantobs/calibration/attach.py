@@ -48,9 +48,14 @@ from quantobs.calibration.attention import (
     unhook_attention,
 )
 from quantobs.calibration.experts import expert_tag, linearize, restore
+from quantobs.calibration.offload import read_tensor
 from quantobs.calibration.recipe import Recipe, observer_for
 from quantobs.calibration.tokens import current_mask
-from quantobs.calibration.transposed import linear_weight, transposed_layers
+from quantobs.calibration.transposed import (
+    is_transposed,
+    linear_weight,
+    transposed_layers,
+)
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES, qparam_shape
 from quantobs.core.presets import QuantizationScheme
@@ -118,10 +123,15 @@ class Entry:
     @property
     def weight(self) -> torch.Tensor:
         """The module's weight as a Linear holds it, `(out_features,
-        in_features)` (a transposed view for `Conv1D`; weight entries)."""
+        in_features)` (a transposed view for `Conv1D`; weight entries). An
+        offloaded module's weight (accelerate, meta placeholder) is loaded
+        for the caller alone (`offload.read_tensor`): nothing stays loaded."""
         found = linear_weight(self.module)
         if found is None:  # pragma: no cover - checked
             raise TypeError(f"{self.key}: the module has no weight tensor")
+        if found.is_meta:
+            value = read_tensor(self.module, "weight")
+            found = value.t() if is_transposed(self.module) else value
         return found
 
     def observed_dtype(self) -> torch.dtype:

@@ -1,11 +1,16 @@
 """Save a calibrated model as a compressed-tensors checkpoint.
 
 `save_compressed(model, out_dir)` writes what llm-compressor writes, with
-compressed-tensors' own compressors: on the deep copy of the model that
-compressed-tensors quantized with our qparams (`simulate.compressed_tensors_copy`;
-the calibrated model, its observers and hooks stay as they were) it compresses
-the weights (`ModelCompressor.compress_model`), saves with `save_pretrained`
-and adds `quantization_config` to `config.json` (`ModelCompressor.update_config`).
+compressed-tensors' own compressors: it freezes the calibrated model itself
+(`quantobs.calibration.freeze`: observers and hooks removed,
+compressed-tensors' quantization with our qparams, each module compressed in
+turn) or, with `copy=True`, a deep copy of it (the model, its observers and
+hooks stay as they were); saves with `save_pretrained` shard by shard
+(`max_shard_size`) and adds `quantization_config` to `config.json`
+(`ModelCompressor.update_config`). A model loaded with accelerate's
+offloading is compressed one module at a time where it keeps its weights
+(`quantobs.calibration.offload`); its checkpoint is the in-memory one, bit
+for bit.
 The other files of the source checkpoint (tokenizer, README, ...) are copied
 beside them. The checkpoint loads with transformers (`CompressedTensorsConfig`)
 and vLLM.
@@ -44,9 +49,11 @@ process left are removed by the next save to the same `out_dir`. The final
 check-and-rename holds the lock file `.NAME.lock` beside `out_dir`: a second
 writer of the same `out_dir` meanwhile is refused (`DestinationBusy`).
 
-The copy holds a second set of the model's weights while it is written (on
-the model's device). Under `torch.distributed`, call it on one process. It
-needs the `export` extra (compressed-tensors, transformers, safetensors).
+In place, the export holds no second copy of the weights (each module's
+compressed tensors replace its weight; the shards are written from the
+model's own tensors); `copy=True` holds a second set while it is written
+(on the model's device). Under `torch.distributed`, call it on one process.
+It needs the `export` extra (compressed-tensors, transformers, safetensors).
 """
 
 from __future__ import annotations
@@ -63,15 +70,24 @@ import torch
 
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
+from quantobs.calibration.freeze import freeze
 from quantobs.calibration.recipe import Recipe
-from quantobs.calibration.simulate import calibrated_qparams, compressed_tensors_copy
+from quantobs.calibration.shards import DEFAULT_SHARD_SIZE, shard_bytes, sorted_state
+from quantobs.calibration.simulate import calibrated_qparams, detached_copy
 from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.peer_versions import check_fp6, uses_fp6
 from quantobs.core.presets import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
-__all__ = ["SUPPORTED_FORMATS", "checkpoint_formats", "save_compressed"]
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "SUPPORTED_FORMATS",
+    "checkpoint_formats",
+    "save_compressed",
+    "shard_bytes",
+]
+
 
 #: The compressed-tensors formats `save_compressed` writes.
 SUPPORTED_FORMATS = (
@@ -356,15 +372,22 @@ def _default_source(model: torch.nn.Module) -> Path | None:
 
 def _write(
     model: torch.nn.Module,
+    qparams: Mapping[str, Mapping[str, torch.Tensor]],
     formats: Mapping[str, str],
     temp: Path,
+    *,
+    copy: bool,
+    max_shard_size: int,
 ) -> None:
-    from compressed_tensors import ModelCompressor
-
-    clone = compressed_tensors_copy(model, formats)
-    compressor = ModelCompressor.from_pretrained_model(clone)
-    compressor.compress_model(clone)
-    clone.save_pretrained(temp)  # type: ignore[operator]
+    attachment = attachment_of(model)
+    target = detached_copy(model) if copy else model
+    compressor = freeze(target, qparams, formats, attachment if copy else None)
+    with warnings.catch_warnings():
+        # transformers' advice for offloaded models: it writes shard by shard
+        warnings.filterwarnings("ignore", "Attempting to save a model with offloaded")
+        target.save_pretrained(  # type: ignore[operator]
+            temp, state_dict=sorted_state(target), max_shard_size=max_shard_size
+        )
     compressor.update_config(str(temp))
 
 
@@ -375,13 +398,27 @@ def save_compressed(
     source_dir: str | os.PathLike[str] | None = None,
     format: str | None = None,
     overwrite: bool = False,
+    copy: bool = False,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
 ) -> Path:
     """Write the calibrated `model` as a compressed-tensors checkpoint.
 
     Call it after `calibrate`, with the observers still attached (the
-    attachment holds the recipe); the model is not modified. The checkpoint
-    loads with `transformers.AutoModel.from_pretrained(out_dir)` (dequantized
-    with `CompressedTensorsConfig(dequantize=True)`) and with vLLM::
+    attachment holds the recipe). By default the model itself is frozen and
+    compressed (`quantobs.calibration.freeze`: observers and hooks removed,
+    each module compressed in turn, its original weight freed), so that the
+    export needs no second copy of the weights; it is then a
+    compressed-tensors model that no longer calibrates or runs. `copy=True`
+    compresses a copy instead and leaves the model as it was (twice the
+    weights' memory). The weights are written shard by shard (transformers'
+    `save_pretrained`: safetensors files of at most `max_shard_size`, with a
+    `model.safetensors.index.json` when there are several): no more than one
+    shard is held beyond the model, and a model loaded with accelerate's
+    offloading (`device_map`, `offload_folder`) is compressed one module at
+    a time and written without loading all its weights. The checkpoint is
+    the same, bit for bit, whichever way. It loads with
+    `transformers.AutoModel.from_pretrained(out_dir)` (dequantized with
+    `CompressedTensorsConfig(dequantize=True)`) and with vLLM::
 
         attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
         calibrate(model, text_batches(tokenizer, sentences))
@@ -396,6 +433,10 @@ def save_compressed(
         format: a compressed-tensors format (`SUPPORTED_FORMATS`) for every
             config group; None infers each group's as llm-compressor does.
         overwrite: replace an existing non-empty `out_dir`.
+        copy: compress a copy and leave the model unchanged (its observers
+            attached, calibration resumable) instead of the model itself.
+        max_shard_size: the largest safetensors file (`"5GB"`, `"500MB"`, or
+            bytes); a tensor larger than it gets a file of its own.
 
     Returns:
         The checkpoint directory (absolute).
@@ -405,9 +446,10 @@ def save_compressed(
         TypeError: the model has no `save_pretrained`.
         ValueError: a scheme with no supported format, a `format` that
             cannot store it, calibrated `Conv1D` layers (named, with the
-            ignore pattern that leaves them out), or qparams
-            compressed-tensors would not place as calibrated (states it does
-            not quantize, targets it resolves otherwise).
+            ignore pattern that leaves them out), a bad `max_shard_size`, or
+            qparams compressed-tensors would not place as calibrated (states
+            it does not quantize, targets it resolves otherwise; found once
+            the model is frozen: without `copy` its observers are gone).
         FileExistsError: `out_dir` is a file, or not empty without
             `overwrite`.
         FileNotFoundError: `source_dir` is not a directory.
@@ -428,7 +470,8 @@ def save_compressed(
         )
     _refuse_transposed(attachment)
     formats = checkpoint_formats(attachment.recipe, format)
-    calibrated_qparams(attachment)  # not calibrated: fail before any write
+    shard_size = shard_bytes(max_shard_size)
+    qparams = calibrated_qparams(attachment)  # not calibrated: fail before writing
     caveats = reload_caveats(attachment, formats)
     if caveats:
         warnings.warn(
@@ -447,7 +490,7 @@ def save_compressed(
     _check_destination(out, overwrite)
     temp, created = _temp_dir(out)
     try:
-        _write(model, formats, temp)
+        _write(model, qparams, formats, temp, copy=copy, max_shard_size=shard_size)
         if source is not None:
             _copy_sources(source, temp, out)
         with exclusive(out):

@@ -269,14 +269,17 @@ class Calibration:
         return self.fell_back
 
     def export(self, out_dir: str | os.PathLike[str], **options: Any) -> Path:
-        """`save_compressed(model, out_dir, **options)` once frozen.
+        """`save_compressed(model, out_dir, **options)` once frozen. The
+        model itself is compressed (exported) unless `copy=True`, which
+        leaves it frozen and able to continue.
 
         Raises:
             RuntimeError: not frozen (calibrate first) or exported already.
         """
         self._require("export", Status.FROZEN)
         path: Path = save_compressed(self.model, out_dir, **options)
-        self.status = Status.EXPORTED
+        if not options.get("copy", False):
+            self.status = Status.EXPORTED
         return path
 
     def report(self, seconds: float = 0.0) -> CalibrationReport:

@@ -30,6 +30,7 @@ import torch
 
 from quantobs.calibration.attach import Attachment, Entry
 from quantobs.calibration.experts import ExpertTag, expert_tag
+from quantobs.calibration.offload import write_parameter
 from quantobs.calibration.transposed import linear_weight
 from quantobs.core.layout import qparam_shape
 from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
@@ -292,21 +293,15 @@ def scale_dtype_of(entry: Entry) -> torch.dtype:
 
 def set_qparams(entry: Entry, qparams: QParams) -> None:
     """Register `{base}_scale`, `{base}_zero_point`, `{base}_global_scale` on
-    the entry's module as frozen parameters, in compressed-tensors' dtypes."""
+    the entry's module as frozen parameters, in compressed-tensors' dtypes,
+    where the module's weights live (`offload.write_parameter`)."""
     dtypes = {
         "scale": scale_dtype_of(entry),
         "zero_point": entry.args.zp_dtype or torch.int8,
         "global_scale": torch.float32,
     }
-    module = entry.module
-    device = next(
-        (p.device for p in module.parameters(recurse=False)), torch.device("cpu")
-    )
     for kind, value in qparams.items():
-        name = f"{entry.base_name}_{kind}"
-        param = torch.nn.Parameter(
-            value.to(device=device, dtype=dtypes[kind]), requires_grad=False
+        # beside the weights, or where an offloaded module keeps them
+        write_parameter(
+            entry.module, f"{entry.base_name}_{kind}", value.to(dtype=dtypes[kind])
         )
-        if name in module._parameters or hasattr(module, name):
-            delattr(module, name)
-        module.register_parameter(name, param)

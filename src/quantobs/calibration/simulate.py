@@ -37,11 +37,21 @@ from quantobs.calibration.attach import (
     detach,
 )
 from quantobs.calibration.experts import copy_memo, keep_linear
+from quantobs.calibration.offload import (
+    hooks_unwrapped,
+    read_tensor,
+    write_parameter,
+)
 from quantobs.calibration.transposed import as_linear, is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import BASE_NAMES
 
-__all__ = ["calibrated_qparams", "compressed_tensors_copy"]
+__all__ = [
+    "calibrated_qparams",
+    "compressed_tensors_copy",
+    "detached_copy",
+    "quantize_in_place",
+]
 
 #: the format of the copy when none is given: the forward does not depend on it
 _DENSE = "dense"
@@ -71,9 +81,10 @@ def calibrated_qparams(attachment: Attachment) -> dict[str, dict[str, torch.Tens
                 missing.append(f"{entry.name}.{name}" if entry.name else name)
         own = found.setdefault(entry.name, {})
         for kind in QPARAM_KINDS:
-            value = module._parameters.get(f"{entry.base_name}_{kind}")
-            if isinstance(value, torch.Tensor):
-                own[f"{entry.base_name}_{kind}"] = value.detach()
+            name = f"{entry.base_name}_{kind}"
+            if isinstance(module._parameters.get(name), torch.Tensor):
+                # an offloaded module's from where it keeps them
+                own[name] = read_tensor(module, name).detach()
     if missing:
         raise RuntimeError(
             f"the model is not calibrated: {len(missing)} qparam(s) missing "
@@ -107,12 +118,16 @@ def _fill_qparams(
         if scheme is None:
             continue
         ours = qparams.get(module_name, {})
-        for name, param in _ct_qparams(module):
+        for name, param in list(_ct_qparams(module)):
             value = ours.get(name)
             where = f"{module_name}.{name}"
             if value is None:
                 if _symmetric_zero_point(scheme, name):
-                    continue  # compressed-tensors' zeros, then dropped
+                    # compressed-tensors' zeros (then dropped), written where
+                    # an offloaded module keeps its tensors
+                    zeros = torch.zeros(param.shape, dtype=param.dtype)
+                    write_parameter(module, name, zeros)
+                    continue
                 raise ValueError(
                     f"compressed-tensors expects {where}, which calibration did not "
                     "write; the recipe and the model's quantization disagree"
@@ -122,8 +137,9 @@ def _fill_qparams(
                     f"{where}: calibrated shape {list(value.shape)} is not "
                     f"compressed-tensors' {list(param.shape)}"
                 )
-            with torch.no_grad():
-                param.copy_(value.reshape(param.shape).to(param.dtype))
+            # a copy of its own: fused layers share one global scale tensor
+            value = value.reshape(param.shape).to(param.dtype, copy=True)
+            write_parameter(module, name, value)
             used.add((module_name, name))
     lost = [
         f"{module}.{name}"
@@ -250,8 +266,43 @@ def _linearize(model: torch.nn.Module, attachment: Attachment, config: Any) -> N
         config.config_groups[entry.group].targets.append(entry.name)
 
 
+def quantize_in_place(
+    model: torch.nn.Module,
+    attachment: Attachment,
+    qparams: Mapping[str, Mapping[str, torch.Tensor]],
+    formats: Mapping[str, str] | None = None,
+) -> None:
+    """Quantize `model` by compressed-tensors with the calibrated `qparams`
+    (`calibrated_qparams(attachment)`): `model` is the calibrated model or a
+    copy of it, its observers and hooks removed (`detach`) and its fused
+    experts kept as Linears (`experts.keep_linear`). Offloaded modules get
+    their qparams where they keep their weights (`offload.write_parameter`).
+
+    Raises:
+        ValueError: compressed-tensors resolves a module otherwise than the
+            recipe, or has no place for a calibrated qparam.
+    """
+    from compressed_tensors.quantization import apply_quantization_config
+
+    groups = attachment.recipe.config_groups
+    formats = formats if formats is not None else dict.fromkeys(groups, _DENSE)
+    config = attachment.recipe.to_compressed_tensors(_model_format(formats))
+    for group, scheme in config.config_groups.items():
+        scheme.format = formats[group]
+    _drop_calibrated(model)
+    _linearize(model, attachment, config)
+    with hooks_unwrapped(model):  # accelerate's hooks wrap CT's forward
+        apply_quantization_config(model, config, show_progress=False)
+    _check_schemes(model, attachment)
+    _fill_qparams(model, qparams)
+    _drop_symmetric_zero_points(model)
+
+
 def compressed_tensors_copy(
-    model: torch.nn.Module, formats: Mapping[str, str] | None = None
+    model: torch.nn.Module,
+    formats: Mapping[str, str] | None = None,
+    *,
+    qparams: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> torch.nn.Module:
     """A deep copy of the calibrated `model` quantized by compressed-tensors.
 
@@ -264,6 +315,8 @@ def compressed_tensors_copy(
         model: a model calibrated with its observers attached.
         formats: `{config group: compressed-tensors format}` for a checkpoint
             (`checkpoint_formats`); None for evaluation only (dense).
+        qparams: `calibrated_qparams` of the model's attachment, where the
+            caller has them already (None: read them).
 
     Returns:
         The copy, on the model's device, in eval mode as the model is.
@@ -273,23 +326,18 @@ def compressed_tensors_copy(
         ValueError: compressed-tensors resolves a module otherwise than the
             recipe, or has no place for a calibrated qparam.
     """
-    from compressed_tensors.quantization import apply_quantization_config
-
     attachment = attachment_of(model)
-    qparams = calibrated_qparams(attachment)
-    groups = attachment.recipe.config_groups
-    formats = formats if formats is not None else dict.fromkeys(groups, _DENSE)
-    config = attachment.recipe.to_compressed_tensors(_model_format(formats))
-    for group, scheme in config.config_groups.items():
-        scheme.format = formats[group]
-    # fused experts stay out of the copy: it keeps their per-expert Linears
+    if qparams is None:
+        qparams = calibrated_qparams(attachment)
+    clone = detached_copy(model)
+    quantize_in_place(clone, attachment, qparams, formats)
+    return clone
+
+
+def detached_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of the calibrated `model` without observers or hooks of
+    ours (the model keeps its own), its fused experts as per-expert Linears."""
     clone = copy.deepcopy(model, copy_memo(model))
     keep_linear(clone)
-    detach(clone)  # the copy's observers and hooks; the model keeps its own
-    _drop_calibrated(clone)
-    _linearize(clone, attachment, config)
-    apply_quantization_config(clone, config, show_progress=False)
-    _check_schemes(clone, attachment)
-    _fill_qparams(clone, qparams)
-    _drop_symmetric_zero_points(clone)
+    detach(clone)
     return clone

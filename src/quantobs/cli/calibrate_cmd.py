@@ -10,6 +10,8 @@ checkpoint.
                        --out DIR [--resume STATE] [--save-state STATE]
                        [--all-experts] [--pipeline auto|model|layer]
                        [--distributed] [--no-progress]
+                       [--offload-folder DIR [--max-memory DEVICE=SIZE ...]]
+                       [--max-shard-size 5GB]
 
 Loads the model as the class its `config.json` names and its tokenizer (with
 a pad token where it has none), offline (`quantobs.cli.model_loading`);
@@ -26,7 +28,10 @@ a time (`quantobs.calibration.sequential`; the default, `auto`, does for a
 model accelerate offloads), with the same qparams. With `--distributed`
 (under `torchrun`),
 each process batches and calibrates its contiguous share of the texts and the
-statistics are synced (`calibrate(..., sync=True)`); process 0 writes.
+statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
+`--offload-folder` the model is loaded with accelerate's offloading
+(`quantobs.cli.offloading`); the checkpoint is written in place (the model
+is frozen after its evaluation) in files of at most `--max-shard-size`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from quantobs.cli.inputs import (
 )
 from quantobs.cli.kv_cache import KV_CACHE_SCHEMES, check_attached, kv_cache_args
 from quantobs.cli.model_loading import load_model
+from quantobs.cli.offloading import add_offload_options, load_options, shard_size
 from quantobs.cli.torchrun import TorchrunGroup
 
 __all__ = ["add_parser", "run_calibrate", "shard"]
@@ -157,6 +163,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="under torchrun: each process calibrates its share of the texts, "
         "statistics are synced (gloo on CPU, NCCL on CUDA), process 0 writes",
     )
+    add_offload_options(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run_calibrate)
     return parser
@@ -231,10 +238,11 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     out: Path = options.out
     _check_out(out)
     _check_format(options, scheme)
+    loading, max_shard_size = load_options(options), shard_size(options)
     if group is not None:
         calibration = _my_texts(calibration, group.rank, group.world)
     saved = None if options.resume is None else _read_resume(options.resume)
-    model, tokenizer = load_model(directory)
+    model, tokenizer = load_model(directory, **loading)
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
@@ -284,9 +292,10 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
         return
     if options.save_state is not None:
         _write_state(model, options.save_state)
-    path = _write_checkpoint(model, out, directory, options.save_state)
+    summary = evaluate(model, held_out).summary()  # before the export freezes it
+    path = _write_checkpoint(model, out, directory, options.save_state, max_shard_size)
     print(report)
-    print(evaluate(model, held_out).summary())
+    print(summary)
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
@@ -395,7 +404,7 @@ def _write_state(model: Any, path: Path) -> None:
 
 
 def _write_checkpoint(
-    model: Any, out: Path, directory: Path, state: Path | None
+    model: Any, out: Path, directory: Path, state: Path | None, max_shard_size: int
 ) -> Path:
     """`--out`: a failed write (full disk, no permission) is one line."""
     from safetensors import SafetensorError
@@ -405,7 +414,9 @@ def _write_checkpoint(
 
     try:
         with _experts_warnings():  # save_compressed, once frozen
-            return Calibration.of(model).export(out, source_dir=directory)
+            return Calibration.of(model).export(
+                out, source_dir=directory, max_shard_size=max_shard_size
+            )
     except ValueError as error:
         raise UsageError(_one_line(error)) from None
     except DestinationBusy as error:

@@ -155,8 +155,9 @@ def _step(what: str, directory: Path, load: Any, **kwargs: Any) -> Any:
         ) from None
 
 
-def load_model(directory: Path) -> tuple[Any, Any]:
-    """`(model, tokenizer)` of `directory`, offline; the model in eval mode.
+def load_model(directory: Path, **loading: Any) -> tuple[Any, Any]:
+    """`(model, tokenizer)` of `directory`, offline; the model in eval mode
+    (`loading`: more `from_pretrained` arguments, e.g. a `device_map`).
 
     The model's class is the one `config.json`'s `architectures` names
     (`architecture_class`); the tokenizer is `AutoTokenizer`'s, with a pad
@@ -191,6 +192,7 @@ def load_model(directory: Path) -> tuple[Any, Any]:
             cls.from_pretrained,
             config=config,
             output_loading_info=True,
+            **loading,
         )
     finally:
         if bar:

@@ -36,6 +36,7 @@ import torch
 
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.calibrate import to_model_device
+from quantobs.calibration.offload import is_offloaded, onloaded, write_parameter
 from quantobs.calibration.simulate import compressed_tensors_copy
 from quantobs.report.causal import (
     next_token_kl,
@@ -236,12 +237,16 @@ def _quantize_weights(
         for name, module, scheme in parts:
             if scheme.weights is None:
                 continue
-            weight = _tensor(module, "weight")
-            fake = forward_quantize(module, weight, "weight", scheme.weights)
+            with onloaded(module):  # an offloaded module's, for this layer only
+                weight = _tensor(module, "weight")
+                fake = forward_quantize(module, weight, "weight", scheme.weights)
             signal = float(weight.double().square().sum())
             noise = float((weight.double() - fake.double()).square().sum())
             found[name] = sqnr_db_from_energies(signal, noise)
-            weight.copy_(fake)
+            if is_offloaded(module):
+                write_parameter(module, "weight", fake)
+            else:
+                weight.copy_(fake)
             module.quantization_status = QuantizationStatus.COMPRESSED
     return found
 
@@ -268,7 +273,8 @@ class _InputEnergies:
             if not inputs or not isinstance(inputs[0], torch.Tensor):
                 return
             x = inputs[0]
-            fake = forward_quantize(module, x, "input", args)
+            with onloaded(module):  # before accelerate's hook loads it
+                fake = forward_quantize(module, x, "input", args)
             sums = self.sums.setdefault(name, [0.0, 0.0])
             sums[0] += float(x.double().square().sum())
             sums[1] += float((x.double() - fake.double()).square().sum())

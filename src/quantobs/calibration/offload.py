@@ -1,0 +1,258 @@
+"""Models loaded with accelerate's offloading: read and write the tensors of
+modules whose weights live on the CPU or on disk.
+
+A model loaded with a `device_map` that sends modules to `"cpu"` (on a
+machine with an accelerator) or `"disk"` keeps those modules' parameters on
+the meta device; accelerate's `AlignDevicesHook` (`module._hf_hook`, with
+`offload=True`) holds their values in its `weights_map` and loads them for
+each forward pass. Calibration never loads the whole model: it reads one
+tensor at a time (`read_tensor`, what `Entry.weight` observes), or one
+module's tensors while a block runs (`onloaded`), and writes new parameters
+(qparams, compressed weights) where the module's weights live
+(`write_parameter`): into the hook's `weights_map` for an offloaded module
+(the loader's CPU state dict, or a safetensors file under the offload
+folder's `quantobs/` directory for weights on disk), the module keeping a
+meta placeholder; beside its weights otherwise. accelerate's own hooks then
+load them with the weights at the next forward pass, and transformers'
+`save_pretrained` finds them where it finds the weights.
+
+Nothing here needs accelerate installed: without it no module is offloaded.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "first_device",
+    "hooks_unwrapped",
+    "is_offloaded",
+    "onloaded",
+    "read_tensor",
+    "write_parameter",
+]
+
+#: The directory under accelerate's offload folder that holds the tensors
+#: written to modules offloaded to disk.
+WRITTEN_DIR = "quantobs"
+
+
+def _align_hook(module: torch.nn.Module) -> Any:
+    """accelerate's `AlignDevicesHook` of `module` (also inside a
+    `SequentialHook`), or None."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return None
+    try:
+        from accelerate.hooks import AlignDevicesHook
+    except ImportError:  # pragma: no cover - accelerate put the hook there
+        return None
+    hooks = getattr(hook, "hooks", (hook,))
+    return next((h for h in hooks if isinstance(h, AlignDevicesHook)), None)
+
+
+def _offload_hook(module: torch.nn.Module) -> Any:
+    """The hook holding `module`'s offloaded tensors, or None."""
+    hook = _align_hook(module)
+    if hook is None or not hook.offload or hook.weights_map is None:
+        return None
+    return hook
+
+
+def is_offloaded(module: torch.nn.Module) -> bool:
+    """Whether accelerate keeps `module`'s own tensors off its execution
+    device (on the CPU or disk; meta placeholders in the module)."""
+    return _offload_hook(module) is not None
+
+
+def _device(value: Any) -> torch.device:
+    """accelerate's execution device (an int is a CUDA index) as a device."""
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    return torch.device(value)
+
+
+def first_device(model: torch.nn.Module) -> torch.device:
+    """The device of `model`'s first parameter that holds data (offloaded
+    ones are on the meta device), CPU where none does: where the inputs of
+    a forward pass go."""
+    return next(
+        (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu")
+    )
+
+
+def _home_device(module: torch.nn.Module, tensor: torch.Tensor) -> torch.device:
+    """Where a new `tensor` of a module that is not offloaded goes: beside
+    its own tensors, else on its hook's execution device, else where it is."""
+    own = [*module._parameters.values(), *module._buffers.values()]
+    found = next((t.device for t in own if t is not None and not t.is_meta), None)
+    if found is not None:
+        return found
+    hook = _align_hook(module)
+    if hook is not None and hook.execution_device is not None:
+        return _device(hook.execution_device)
+    return tensor.device
+
+
+def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    found: torch.Tensor | None = module._parameters.get(name)
+    if found is None:
+        found = module._buffers.get(name)
+    if found is None:
+        raise AttributeError(f"{type(module).__name__} has no tensor {name!r}")
+    return found
+
+
+def read_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The value of `module`'s own parameter or buffer `name`: the tensor
+    itself, or for an offloaded module (meta placeholder) its value loaded
+    from the offload hook's `weights_map` onto the execution device (a new
+    tensor the caller holds alone: nothing stays loaded).
+
+    Raises:
+        AttributeError: no such tensor.
+        RuntimeError: a meta tensor no offload hook holds the value of.
+    """
+    tensor = _own_tensor(module, name)
+    if not tensor.is_meta:
+        return tensor
+    hook = _offload_hook(module)
+    if hook is None:
+        raise RuntimeError(
+            f"{type(module).__name__}.{name} is on the meta device and no "
+            "accelerate offload hook holds its value; load the model with "
+            "transformers' device_map / offload_folder (offloaded MoE experts "
+            "stored fused cannot be calibrated: load them in memory)"
+        )
+    value = hook.weights_map[name]
+    dtype = tensor.dtype if value.is_floating_point() else value.dtype
+    return value.to(device=_device(hook.execution_device), dtype=dtype)
+
+
+@contextmanager
+def onloaded(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """While the block runs, an offloaded module's own tensors hold their
+    values (on its execution device); meta placeholders again after it
+    (those the block replaced stay replaced). Other modules as they are."""
+    if _offload_hook(module) is None:
+        yield module
+        return
+    loaded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+    stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    for store in stores:
+        for name, tensor in list(store.items()):
+            if tensor is None or not tensor.is_meta:
+                continue
+            value = read_tensor(module, name)
+            if isinstance(tensor, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=False)
+            store[name] = value
+            loaded.append((store, name, tensor, value))
+    try:
+        yield module
+    finally:
+        for store, name, meta, value in loaded:
+            if store.get(name) is value:
+                store[name] = meta
+
+
+def _dataset(weights_map: Any) -> tuple[str, Any]:
+    """`(prefix, store)` under accelerate's `PrefixedDataset` wrappers."""
+    prefix = ""
+    while hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):
+        prefix += weights_map.prefix
+        weights_map = weights_map.dataset
+    return prefix, weights_map
+
+
+def _on_disk(loader: Any, module: torch.nn.Module, prefix: str) -> bool:
+    """Whether the loader keeps `module`'s weights in files (its index)
+    rather than in its CPU state dict."""
+    keys = [prefix + n for n, t in module._parameters.items() if t is not None]
+    in_memory = any(k in loader.state_dict for k in keys)
+    return not in_memory and loader.save_folder is not None
+
+
+def _offload(
+    module: torch.nn.Module, hook: Any, name: str, value: torch.Tensor
+) -> None:
+    """Put `value` into the hook's `weights_map` under `name`, where the
+    module's weights are kept."""
+    prefix, store = _dataset(hook.weights_map)
+    key = prefix + name
+    value = value.detach().to("cpu").contiguous()
+    state = getattr(store, "state_dict", None)
+    index = getattr(store, "index", None)
+    if isinstance(state, dict) and isinstance(index, dict):  # OffloadedWeightsLoader
+        if _on_disk(store, module, prefix):
+            import safetensors.torch
+
+            folder = Path(store.save_folder) / WRITTEN_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{key}.{uuid.uuid4().hex[:12]}.safetensors"
+            safetensors.torch.save_file({"tensor": value}, str(path))
+            state.pop(key, None)
+            index[key] = {"safetensors_file": str(path), "weight_name": "tensor"}
+        else:
+            state[key] = value
+        keys = getattr(store, "all_keys", None)
+        if isinstance(keys, list) and key not in keys:
+            keys.append(key)
+        return
+    if isinstance(store, MutableMapping):  # a plain state dict
+        store[key] = value
+        return
+    raise TypeError(
+        f"cannot write {key!r}: the offload hook's weights map "
+        f"({type(store).__name__}) is read-only"
+    )
+
+
+def write_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Register `tensor` as `module`'s frozen parameter `name` (replacing any
+    attribute of that name), where the module's weights live: in the offload
+    hook's `weights_map` for an offloaded module (the module holds a meta
+    placeholder), beside its own tensors otherwise (a copy only where the
+    device differs, or where `tensor` views a larger storage)."""
+    hook = _offload_hook(module)
+    device = _home_device(module, tensor) if hook is None else torch.device("meta")
+    if name in module._parameters or name in module._buffers or hasattr(module, name):
+        delattr(module, name)
+    value = tensor.detach()
+    if hook is not None:
+        _offload(module, hook, name, value)
+        value = torch.empty_like(value, device="meta")
+    else:
+        value = value.to(device)
+        if value.untyped_storage().nbytes() != value.nbytes or not (
+            value.is_contiguous()
+        ):
+            value = value.clone(memory_format=torch.contiguous_format)
+    module.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+
+
+@contextmanager
+def hooks_unwrapped(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """While the block runs, the modules accelerate hooked have their own
+    `forward` back (compressed-tensors wraps a module's bound `forward`);
+    after it, accelerate's hooks wrap whatever `forward` the block left (a
+    quantized forward runs with its weights loaded)."""
+    wrapped = [
+        (module, module.__dict__["forward"])
+        for module in model.modules()
+        if "_old_forward" in module.__dict__ and "forward" in module.__dict__
+    ]
+    for module, _ in wrapped:
+        module.__dict__["forward"] = module.__dict__["_old_forward"]
+    try:
+        yield model
+    finally:
+        for module, hooked in wrapped:
+            module.__dict__["_old_forward"] = module.__dict__["forward"]
+            module.__dict__["forward"] = hooked

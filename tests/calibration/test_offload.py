@@ -1,0 +1,320 @@
+"""Models loaded with accelerate's offloading (transformers' `device_map`,
+`offload_folder`) calibrate and export: weights on the meta device are read
+one at a time, qparams and compressed weights are written where the module
+keeps its weights, and the checkpoint is the in-memory one, bit for bit.
+
+On a CPU-only machine accelerate offloads only what the `device_map` sends
+to `"disk"` (a `"cpu"` entry is the execution device itself, not offloaded:
+checked below), so the tests put a decoder layer and `lm_head` on disk;
+accelerate's `cpu_offload` gives the CPU variant (its weights map a state
+dict in memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from quantobs.calibration import Recipe, attach, calibrate, save_compressed
+from quantobs.calibration.attach import attachment_of
+from quantobs.calibration.offload import (
+    WRITTEN_DIR,
+    is_offloaded,
+    onloaded,
+    read_tensor,
+    write_parameter,
+)
+from quantobs.calibration.simulate import calibrated_qparams
+from tests.calibration.conftest import SENTENCES
+from tests.decoders import save_decoder
+
+pytestmark = pytest.mark.peers
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+pytest.importorskip("compressed_tensors")
+
+#: layer 0 and the embeddings on the CPU, layer 1 and lm_head on disk
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
+#: scheme -> model dtype (NVFP4 models run in bf16)
+SCHEMES = {"W4A16": torch.float32, "FP8": torch.float32, "NVFP4": torch.bfloat16}
+#: small enough that the tiny decoder's checkpoint takes several shards
+SMALL_SHARDS = 40_000
+MERGE_WARNING = "ignore:You passed `quantization_config`:UserWarning"
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[torch.dtype, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    return {
+        dtype: save_decoder("llama", root / str(dtype).split(".")[1], dtype=dtype)
+        for dtype in set(SCHEMES.values())
+    }
+
+
+def _batches(source: Path) -> list[dict[str, torch.Tensor]]:
+    from quantobs.calibration import text_batches
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer.pad_token = tokenizer.eos_token
+    return text_batches(tokenizer, SENTENCES[:8], batch_size=4, max_length=32)
+
+
+def _load(source: Path, dtype: torch.dtype, offload: Path | None = None) -> Any:
+    extra: dict[str, Any] = {}
+    if offload is not None:
+        extra = {"device_map": DEVICE_MAP, "offload_folder": str(offload)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, **extra
+    )
+    return model.eval()
+
+
+def _calibrated(
+    source: Path, scheme: str, offload: Path | None = None
+) -> torch.nn.Module:
+    model = _load(source, SCHEMES[scheme], offload)
+    attach(model, Recipe.from_scheme(scheme, ignore=["lm_head"]))
+    calibrate(model, _batches(source), progress=False)
+    return model
+
+
+def _files(directory: Path) -> dict[str, str]:
+    """`{file name: sha256}` of the checkpoint's weights, index and config."""
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+        if path.suffix in (".safetensors", ".json")
+    }
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+def _assert_same_tensors(found: dict[str, torch.Tensor], expected: dict) -> None:
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        other = found[name]
+        assert other.dtype == value.dtype and other.shape == value.shape, name
+        assert torch.equal(other.view(torch.uint8), value.view(torch.uint8)), name
+
+
+def _meta_offloaded(model: torch.nn.Module) -> list[str]:
+    """The names of the offloaded modules' tensors (all still meta)."""
+    names = []
+    for name, module in model.named_modules():
+        if is_offloaded(module):
+            for tensor_name, tensor in module.named_parameters(recurse=False):
+                assert tensor.is_meta, f"{name}.{tensor_name} was left loaded"
+                names.append(f"{name}.{tensor_name}")
+    return names
+
+
+def test_a_cpu_entry_is_not_offloaded_on_a_cpu_only_machine(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    model = _load(sources[torch.float32], torch.float32, tmp_path / "offload")
+    assert not is_offloaded(model.model.layers[0].self_attn.q_proj)
+    assert is_offloaded(model.model.layers[1].self_attn.q_proj)
+    assert model.model.layers[1].self_attn.q_proj.weight.is_meta
+    assert not model.model.layers[0].self_attn.q_proj.weight.is_meta
+
+
+def _assert_same_qparams(model: torch.nn.Module, expected: dict) -> None:
+    found = calibrated_qparams(attachment_of(model))
+    assert found.keys() == expected.keys()
+    for module, qparams in expected.items():
+        assert found[module].keys() == qparams.keys(), module
+        for name, value in qparams.items():
+            torch.testing.assert_close(found[module][name], value, rtol=0, atol=0)
+
+
+#: NVFP4 and FP8 take 10-15 s each on 2 shared cores
+_SCHEME_PARAMS = [
+    pytest.param(s, marks=() if s == "W4A16" else pytest.mark.slow) for s in SCHEMES
+]
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+@pytest.mark.parametrize("scheme", _SCHEME_PARAMS)
+def test_an_offloaded_model_calibrates_and_exports_the_in_memory_checkpoint(
+    scheme: str, sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    """The offloaded model's qparams are the in-memory ones; in memory (one
+    file, then small shards) and offloaded (small shards): every shard, the
+    index and config.json are the same bytes, and the sharded checkpoint
+    reloads to the same logits."""
+    source = sources[SCHEMES[scheme]]
+    in_memory = _calibrated(source, scheme)
+    qparams = calibrated_qparams(attachment_of(in_memory))
+    whole = save_compressed(in_memory, tmp_path / "whole")
+    model = _calibrated(source, scheme, tmp_path / "offload")
+    _assert_same_qparams(model, qparams)
+    # nothing stays loaded: the offloaded modules' weights and qparams are
+    # meta placeholders, their qparams in the offload folder
+    assert "model.layers.1.self_attn.q_proj.weight_scale" in _meta_offloaded(model)
+    assert list((tmp_path / "offload" / WRITTEN_DIR).glob("*weight_scale*"))
+
+    offloaded = save_compressed(
+        model, tmp_path / "offloaded", max_shard_size=SMALL_SHARDS
+    )
+    sharded = save_compressed(
+        _calibrated(source, scheme), tmp_path / "sharded", max_shard_size=SMALL_SHARDS
+    )
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    assert _files(offloaded) == _files(sharded)
+    _assert_same_tensors(_tensors(offloaded), _tensors(whole))
+    config_json = (whole / "config.json").read_bytes()
+    assert config_json == (offloaded / "config.json").read_bytes()
+    # the export compressed the offloaded modules where they live
+    names = _meta_offloaded(model)
+    assert "model.layers.1.self_attn.q_proj.weight_packed" in names or (
+        "model.layers.1.self_attn.q_proj.weight" in names  # FP8: weight kept
+    )
+
+    config = transformers.CompressedTensorsConfig(dequantize=True)
+    batch = _batches(source)[0]
+    with torch.no_grad():
+        expected = transformers.AutoModelForCausalLM.from_pretrained(
+            whole, quantization_config=config
+        )(**batch).logits
+        found = transformers.AutoModelForCausalLM.from_pretrained(
+            offloaded, quantization_config=config
+        )(**batch).logits
+    torch.testing.assert_close(found, expected, rtol=0, atol=0)
+
+
+def test_copy_keeps_the_model_and_writes_the_same_checkpoint(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    source = sources[torch.float32]
+    model = _calibrated(source, "W4A16")
+    kept = {n: t.clone() for n, t in model.named_parameters()}
+    copied = save_compressed(model, tmp_path / "copy", copy=True)
+    assert attachment_of(model).entries  # still attached, still calibrates
+    state = dict(model.named_parameters())
+    assert state.keys() == kept.keys()
+    assert all(torch.equal(state[n], t) for n, t in kept.items())
+    calibrate(model, _batches(source)[:1], progress=False)
+
+    in_place = save_compressed(model, tmp_path / "in-place")
+    # the model itself is frozen and compressed: no observers, packed weights
+    with pytest.raises(RuntimeError, match="no quantobs observers"):
+        attachment_of(model)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert "weight" not in q_proj._parameters
+    assert q_proj.weight_packed.dtype == torch.int32
+    assert not any(n.endswith("_observer") for n, _ in model.named_modules())
+    again = save_compressed(
+        _calibrated(source, "W4A16"), tmp_path / "fresh", copy=False
+    )
+    assert _files(copied) == _files(again)
+    assert _files(in_place) == _files(again)  # the extra batch: same weights
+
+
+def test_a_bad_shard_size_is_refused_before_anything_is_written(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    model = _calibrated(sources[torch.float32], "W4A16")
+    for size in ["0GB", "five", -1, 0, True]:
+        with pytest.raises(ValueError, match="max_shard_size"):
+            save_compressed(model, tmp_path / "out", max_shard_size=size)
+    assert list(tmp_path.iterdir()) == []
+    assert attachment_of(model).entries  # untouched
+
+
+def _tiny() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)).eval()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_write_parameter_keeps_values_where_the_weights_live(
+    kind: str, tmp_path: Path
+) -> None:
+    """accelerate's own `cpu_offload` (a state dict in memory) and
+    `disk_offload` (.dat files): a written parameter is a meta placeholder
+    whose value accelerate's hook loads with the weights at the forward."""
+    model = _tiny()
+    weight = model[0].weight.detach().clone()
+    inputs = torch.randn(3, 8)
+    expected = model(inputs)
+    if kind == "cpu":
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    else:
+        accelerate.disk_offload(
+            model, str(tmp_path), execution_device=torch.device("cpu")
+        )
+    layer = model[0]
+    assert is_offloaded(layer) and layer.weight.is_meta
+    torch.testing.assert_close(read_tensor(layer, "weight"), weight, rtol=0, atol=0)
+    write_parameter(layer, "weight_scale", torch.full((4, 1), 0.5))
+    assert layer.weight_scale.is_meta and layer.weight.is_meta
+    torch.testing.assert_close(
+        read_tensor(layer, "weight_scale"), torch.full((4, 1), 0.5)
+    )
+    hook = layer._hf_hook  # what accelerate does around the forward
+    hook.pre_forward(layer, inputs)
+    assert torch.equal(layer.weight_scale, torch.full((4, 1), 0.5))
+    hook.post_forward(layer, None)
+    assert layer.weight_scale.is_meta
+    torch.testing.assert_close(model(inputs), expected)
+    with onloaded(layer):
+        assert not layer.weight.is_meta
+        torch.testing.assert_close(layer.weight, weight, rtol=0, atol=0)
+    assert layer.weight.is_meta and layer.weight_scale.is_meta
+
+
+def test_write_parameter_on_a_module_in_memory_replaces_in_place() -> None:
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    big = torch.arange(12.0)
+    write_parameter(layer, "weight_scale", big[:4].reshape(4, 1))
+    scale = layer.weight_scale
+    assert isinstance(scale, torch.nn.Parameter) and not scale.requires_grad
+    assert scale.untyped_storage().nbytes() == scale.nbytes  # not the view's base
+    write_parameter(layer, "weight_scale", torch.ones(4, 1))
+    assert torch.equal(layer.weight_scale, torch.ones(4, 1))
+    assert list(layer._parameters) == ["weight", "bias", "weight_scale"]
+    with onloaded(layer):  # not offloaded: as it is
+        assert layer.weight.device.type == "cpu"
+
+
+def test_a_meta_weight_without_an_offload_hook_is_a_clear_error() -> None:
+    layer = torch.nn.Linear(8, 4, device="meta")
+    with pytest.raises(RuntimeError, match="no accelerate offload hook"):
+        read_tensor(layer, "weight")
+
+
+@pytest.mark.filterwarnings("ignore::quantobs.calibration.ExpertsReloadWarning")
+def test_fused_experts_export_in_place_as_from_a_copy(tmp_path: Path) -> None:
+    """MoE experts stored fused: the in-place export keeps their per-expert
+    Linears and writes the checkpoint a copy writes."""
+    from tests.decoders import build_decoder
+
+    def calibrated() -> torch.nn.Module:
+        model = build_decoder("qwen3_moe")
+        attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+        calibrate(model, [{"input_ids": torch.arange(32).reshape(2, 16)}])
+        return model
+
+    copied = save_compressed(calibrated(), tmp_path / "copy", copy=True)
+    in_place = save_compressed(calibrated(), tmp_path / "in-place")
+    assert _files(in_place) == _files(copied)
+    assert any("experts.3." in k for k in _tensors(in_place))
