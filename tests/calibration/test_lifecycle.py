@@ -136,8 +136,10 @@ def test_an_exported_calibration_is_final(tmp_path: Path) -> None:
     path = calibration.export(tmp_path / "out")
     assert (path / "config.json").is_file()
     assert calibration.status is Status.EXPORTED
-    with pytest.raises(RuntimeError, match=r"exported; attach observers again"):
+    with pytest.raises(RuntimeError, match=r"exported in place.*load the model again"):
         calibrate(model, token_batches(1), progress=False)
+    with pytest.raises(RuntimeError, match=r"cannot export: .*exported in place"):
+        calibration.export(tmp_path / "again")
 
 
 def test_calibrate_continues_a_frozen_calibration() -> None:

@@ -322,11 +322,27 @@ def attachment_of(model: torch.nn.Module) -> Attachment:
     """
     found = getattr(model, ATTACHMENT_ATTR, None)
     if not isinstance(found, Attachment):
+        if _compressed(model):
+            raise RuntimeError(
+                "the model was exported in place: save_compressed compressed "
+                "its weights and removed its observers; load the model again "
+                "to calibrate it (save_compressed(..., copy=True) keeps it)"
+            )
         raise RuntimeError(
             "the model has no quantobs observers; call "
             "quantobs.calibration.attach(model, recipe) first"
         )
     return found
+
+
+def _compressed(model: torch.nn.Module) -> bool:
+    """Whether compressed-tensors compressed the model's weights (an export
+    in place: `quantobs.calibration.freeze`)."""
+    return any(
+        str(getattr(getattr(m, "quantization_status", None), "value", ""))
+        == "compressed"
+        for m in model.modules()
+    )
 
 
 def observers_of(model: torch.nn.Module) -> Iterator[tuple[Entry, Observer]]:

@@ -150,8 +150,8 @@ class Calibration:
             "every process's batches again",
             Status.FROZEN: "reopen() it to continue calibrating (calibrate() "
             "does), or export() it",
-            Status.EXPORTED: "it was exported; attach observers again to "
-            "calibrate anew",
+            Status.EXPORTED: "it was exported in place (its weights are "
+            "compressed); load the model again to calibrate anew",
         }
         raise RuntimeError(
             f"cannot {step}: the calibration is {self.status.value} "
@@ -274,7 +274,7 @@ class Calibration:
         leaves it frozen and able to continue.
 
         Raises:
-            RuntimeError: not frozen (calibrate first) or exported already.
+            RuntimeError: not frozen (calibrate first), or exported in place.
         """
         self._require("export", Status.FROZEN)
         path: Path = save_compressed(self.model, out_dir, **options)
