@@ -23,9 +23,9 @@ import torch
 __all__ = [
     "DENSE",
     "FAMILIES",
+    "KV_CACHE_REASON",
     "MOE",
     "VOCAB",
-    "KV_CACHE_REASON",
     "build_decoder",
     "kv_cache_quantizable",
     "save_decoder",

@@ -448,7 +448,6 @@ MODEL_OBSERVERS = NAMES
 def model_recipe(observer: str) -> Any:
     """FP8 weights, int8 static inputs under `observer`, fp8 k/v per head."""
     from quantobs.calibration import Recipe
-
     from tests.decoders import kv_cache_quantizable
 
     int8 = {"num_bits": 8, "strategy": "tensor", "observer": observer}
