@@ -115,3 +115,39 @@ def load_dequantized(
             out, quantization_config=config_class(dequantize=True)
         )
     return model.eval()
+
+
+def dequantize_drops_activations() -> bool:
+    """Whether transformers' `dequantize=True` load keeps the model dense
+    and only dequantizes the weights (its `CompressedTensorsDequantize`
+    load operation, transformers 5.24): the activation scales
+    (`input_scale`, `input_global_scale`) are then unexpected keys and the
+    inputs are not quantized. transformers 5.17 applies the checkpoint's
+    quantization config and keeps its static activation quantization."""
+    from transformers.integrations import compressed_tensors as integration
+
+    return hasattr(integration, "CompressedTensorsDequantize")
+
+
+#: the checkpoint keys a dense `dequantize=True` load drops (5.24)
+ACTIVATION_SCALES = ("input_scale", "input_global_scale")
+
+
+def load_quantized(
+    out: object, auto: object = None
+) -> tuple[torch.nn.Module, dict[str, set[str]]]:
+    """The checkpoint `out` as transformers runs it with all its quantized
+    tensors, weights and static activations, and the load info: with
+    `dequantize=True` where that keeps the activation quantization
+    (transformers 5.17), else (`dequantize_drops_activations`) loaded
+    compressed with `dequantize=False`, compressed-tensors decompressing the
+    weights on the first forward while the inputs stay quantized."""
+    config_class = transformers.utils.quantization_config.CompressedTensorsConfig
+    auto_class = auto or transformers.AutoModelForCausalLM
+    dequantize = not dequantize_drops_activations()
+    model, info = auto_class.from_pretrained(
+        out,
+        quantization_config=config_class(dequantize=dequantize),
+        output_loading_info=True,
+    )
+    return model.eval(), info
