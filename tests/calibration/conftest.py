@@ -134,14 +134,15 @@ ACTIVATION_SCALES = ("input_scale", "input_global_scale")
 
 
 def load_quantized(
-    out: object, auto: object = None
+    out: object, auto: object = None, **kwargs: object
 ) -> tuple[torch.nn.Module, dict[str, set[str]]]:
     """The checkpoint `out` as transformers runs it with all its quantized
     tensors, weights and static activations, and the load info: with
     `dequantize=True` where that keeps the activation quantization
     (transformers 5.17), else (`dequantize_drops_activations`) loaded
     compressed with `dequantize=False`, compressed-tensors decompressing the
-    weights on the first forward while the inputs stay quantized."""
+    weights on the first forward while the inputs stay quantized.
+    `kwargs` go to `from_pretrained` (e.g. `dtype`)."""
     config_class = transformers.utils.quantization_config.CompressedTensorsConfig
     auto_class = auto or transformers.AutoModelForCausalLM
     dequantize = not dequantize_drops_activations()
@@ -149,5 +150,6 @@ def load_quantized(
         out,
         quantization_config=config_class(dequantize=dequantize),
         output_loading_info=True,
+        **kwargs,
     )
     return model.eval(), info
