@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from quantobs.calibration import Recipe, attach, calibrate
-from tests.calibration.conftest import SENTENCES
+from tests.calibration.conftest import SENTENCES, oneshot_attention
 from tests.decoders import save_decoder, tiny_tokenizer
 
 pytestmark = [
@@ -62,27 +62,6 @@ SCHEMES = {
 #: window is gone. Mistral layer 0's `o_proj` input absmax: 2.77 under
 #: oneshot, 3.54 in the model's own forward (sdpa or eager alike).
 MASKLESS = ("mistral", "phi3")
-
-
-def _oneshot_forces_eager() -> bool:
-    """Whether the installed llm-compressor calibrates under eager attention
-    always (0.14.0.1: `calibration_forward_context`). Its nightly (0.14.1a)
-    takes `oneshot(use_eager_attention=False)` and calibrates under the
-    model's own attention (sdpa here). The `MASKLESS` bug is still there,
-    but sdpa without a mask attends causally: only Mistral's sliding window
-    is lost (measured: its oneshot inputs equal the maskless sdpa forward's
-    and differ from the masked one in 8 of 14 input scales)."""
-    import inspect
-
-    llmcompressor = pytest.importorskip("llmcompressor")
-    parameters = inspect.signature(llmcompressor.oneshot).parameters
-    return "use_eager_attention" not in parameters
-
-
-def _oneshot_attention() -> str | None:
-    """The attention implementation oneshot calibrates under (None: the
-    model's own)."""
-    return "eager" if _oneshot_forces_eager() else None
 
 
 def _qparams(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -131,7 +110,7 @@ def _ours(directory: Path, scheme: str) -> dict[str, torch.Tensor]:
     # context` -> `use_eager_attention`); sdpa's activations differ in the
     # last bits, and Gemma-2's under sdpa skip its attention logit
     # soft-capping (1.2e-5 relative here); its nightly under the model's own
-    model = _load(directory, attn=_oneshot_attention())
+    model = _load(directory, attn=oneshot_attention())
     attach(model, Recipe.from_scheme(scheme, ignore=["lm_head"]))
     one_per_batch = [
         dict(tokenizer(t, truncation=True, max_length=64, return_tensors="pt"))
@@ -146,7 +125,7 @@ def _forward_inputs(
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors' input qparams (its own `calculate_qparams` /
     `generate_gparam`) over the ranges every `Linear` input takes in a plain
-    forward of `TEXTS` under oneshot's attention (`_oneshot_attention`);
+    forward of `TEXTS` under oneshot's attention (`oneshot_attention`);
     `masked=False` drops the attention mask as
     llm-compressor's sequential pipeline does for `MASKLESS` families."""
     from compressed_tensors.quantization import preset_name_to_scheme
@@ -158,7 +137,7 @@ def _forward_inputs(
     args = preset_name_to_scheme(scheme, ["Linear"]).input_activations
     if args is None:
         return {}
-    model = _load(directory, attn=_oneshot_attention())
+    model = _load(directory, attn=oneshot_attention())
     ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def observe(name: str, x: torch.Tensor) -> None:
