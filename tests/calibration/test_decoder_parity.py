@@ -6,13 +6,16 @@ issue 25).
 
 Set-up differences aligned here: one text per batch (llm-compressor observes
 padded positions, quantobs does not, so only unpadded batches are
-comparable) and eager attention (llm-compressor calibrates under it).
+comparable) and the attention llm-compressor calibrates under (0.14.0.1:
+eager; its nightly: the model's own, `conftest.oneshot_attention`).
 
 A peer bug we do not copy (`MASKLESS`): for Mistral and Phi-3, oneshot's
 sequential pipeline runs the decoder layers with no attention mask at all,
 so their input qparams there come from activations the model never
 produces; ours are checked against a plain forward instead, and theirs
-against the same forward with the mask dropped, which pins the bug.
+against the same forward with the mask dropped, which pins the bug (under
+the nightly's sdpa a dropped mask attends causally: Mistral loses its
+sliding window).
 """
 
 from __future__ import annotations
