@@ -23,9 +23,11 @@ import torch
 __all__ = [
     "DENSE",
     "FAMILIES",
+    "KV_CACHE_REASON",
     "MOE",
     "VOCAB",
     "build_decoder",
+    "kv_cache_quantizable",
     "save_decoder",
     "tiny_tokenizer",
 ]
@@ -195,6 +197,27 @@ FAMILIES: dict[str, Callable[[], Any]] = {
 #: families whose experts are fused 3-D parameters
 MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 DENSE = tuple(f for f in FAMILIES if f not in MOE)
+
+
+def kv_cache_quantizable() -> bool:
+    """Whether compressed-tensors quantizes the installed transformers' attention
+    states: it finds a cached attention module by a `past_key_value(s)`
+    argument of its forward, which transformers 5.24 renamed to `cache`
+    (quantobs then refuses a kv_cache_scheme, see `KV_CACHE_REASON`)."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    parameters = inspect.signature(LlamaAttention.forward).parameters
+    return any(p in parameters for p in ("past_key_value", "past_key_values"))
+
+
+#: why a test skips its kv cache part where `kv_cache_quantizable()` is False
+KV_CACHE_REASON = (
+    "this transformers' attention takes its kv cache as `cache`, which "
+    "compressed-tensors does not look for: no kv cache or attention state is "
+    "quantized (quantobs refuses a kv_cache_scheme there)"
+)
 
 
 def build_decoder(

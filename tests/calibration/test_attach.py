@@ -9,6 +9,7 @@ from quantobs import QuantizationArgs
 from quantobs.calibration import Recipe, attach, calibrate, detach, observers_of
 from quantobs.observers import MinMaxObserver
 from tests.calibration.conftest import tiny_llama, token_batches
+from tests.decoders import KV_CACHE_REASON, kv_cache_quantizable
 
 FP8_TENSOR = QuantizationArgs(num_bits=8, type="float", strategy="tensor")
 FP8_HEADS = QuantizationArgs(num_bits=8, type="float", strategy="attn_head")
@@ -85,6 +86,7 @@ def test_bert_query_states_observed_but_no_kv_cache(
     assert type(attention.q_observer) is MinMaxObserver  # llm-compressor's default
 
 
+@pytest.mark.skipif(not kv_cache_quantizable(), reason=KV_CACHE_REASON)
 def test_llama_attention_states_after_rope_with_kv_heads() -> None:
     model = tiny_llama()
     recipe = Recipe(

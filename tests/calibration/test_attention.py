@@ -15,7 +15,13 @@ from quantobs.calibration.attention import cached_attention_modules
 from quantobs.calibration.experts import ExpertsReloadWarning
 from quantobs.calibration.recipe import observer_for
 from quantobs.observers import MinMaxObserver
-from tests.decoders import MOE, build_decoder, tiny_tokenizer
+from tests.decoders import (
+    KV_CACHE_REASON,
+    MOE,
+    build_decoder,
+    kv_cache_quantizable,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.peers
 transformers = pytest.importorskip("transformers")
@@ -67,9 +73,14 @@ def _reloaded_kv_scales(out: Path) -> dict[str, torch.Tensor]:
     return _kv_scales(loaded)
 
 
+#: the tests of what compressed-tensors quantizes in the kv cache: none where
+#: the installed transformers names the cache `cache` (5.24)
+needs_kv_cache = pytest.mark.skipif(not kv_cache_quantizable(), reason=KV_CACHE_REASON)
+
 KV_FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "phi3", "deepseek_v3"]
 
 
+@needs_kv_cache
 @pytest.mark.slow
 @pytest.mark.filterwarnings(MERGE_WARNING)
 @pytest.mark.parametrize("family", KV_FAMILIES)
@@ -99,6 +110,7 @@ def test_kv_cache_scales_reload_in_transformers(family: str, tmp_path: Path) -> 
         torch.testing.assert_close(loaded[name], scale, rtol=0, atol=0)
 
 
+@needs_kv_cache
 @pytest.mark.slow
 @pytest.mark.filterwarnings(MERGE_WARNING)
 @pytest.mark.parametrize(("family", "heads"), [("llama", 2), ("gemma3", 1)])
@@ -114,6 +126,7 @@ def test_kv_cache_per_head_gqa_and_mqa(family: str, heads: int, tmp_path: Path) 
         torch.testing.assert_close(loaded[name], scale, rtol=0, atol=0)
 
 
+@needs_kv_cache
 def test_values_are_the_cached_states() -> None:
     """Llama caches the value projection's output per head, unrepeated."""
     model = build_decoder("llama")
@@ -131,6 +144,7 @@ def test_values_are_the_cached_states() -> None:
     torch.testing.assert_close(scale, expected, rtol=0, atol=0)
 
 
+@needs_kv_cache
 def test_latent_attention_caches_the_compressed_latent() -> None:
     """DeepSeek-V3 (MLA) caches the normalized latent as "keys" and the
     rotated shared key part as "values": k_scale is the latent's range, as
@@ -150,6 +164,7 @@ def test_latent_attention_caches_the_compressed_latent() -> None:
     assert report.tokens["model.layers.0.self_attn.k"] == seen[0].shape[1]
 
 
+@needs_kv_cache
 def test_latent_attention_refuses_per_head_scales() -> None:
     model = build_decoder("deepseek_v3")
     with pytest.raises(
@@ -172,6 +187,25 @@ def test_kv_cache_refused_where_compressed_tensors_quantizes_none() -> None:
         )
 
 
+@pytest.mark.skipif(
+    kv_cache_quantizable(), reason="its attention takes past_key_values"
+)
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_kv_cache_refused_where_transformers_calls_it_cache(family: str) -> None:
+    """transformers 5.24 passes the kv cache as `cache`, which
+    compressed-tensors (0.20) does not recognize: it would quantize no
+    attention state, so quantobs refuses the kv_cache_scheme, naming why."""
+    model = build_decoder(family)
+    with pytest.raises(
+        ValueError,
+        match=r"kv cache of no module of .*ForCausalLM: .*Attention.forward takes "
+        r"its kv cache as `cache`.*remove kv_cache_scheme from the recipe",
+    ):
+        attach(model, _kv_recipe())
+    assert not any(n.endswith("_observer") for n, _ in model.named_modules())
+
+
+@needs_kv_cache
 def test_kv_cache_refused_where_the_config_cannot_size_it() -> None:
     """OPT's attention is cached attention, but compressed-tensors sizes the
     kv scales from `num_key_value_heads`, which OPTConfig lacks (its
@@ -183,6 +217,7 @@ def test_kv_cache_refused_where_the_config_cannot_size_it() -> None:
         attach(model, _kv_recipe())
 
 
+@needs_kv_cache
 def test_ignoring_an_attention_module_is_refused_with_a_kv_cache() -> None:
     model = build_decoder("llama")
     recipe = Recipe.from_scheme(
@@ -194,6 +229,7 @@ def test_ignoring_an_attention_module_is_refused_with_a_kv_cache() -> None:
         attach(model, recipe)
 
 
+@needs_kv_cache
 def test_attention_states_default_to_llmcompressors_moving_average() -> None:
     args = QuantizationArgs(num_bits=8, type="float", strategy="tensor")
     for base in ("q", "k", "v"):
@@ -205,6 +241,7 @@ def test_attention_states_default_to_llmcompressors_moving_average() -> None:
     assert isinstance(attention.v_observer, MinMaxObserver)
 
 
+@needs_kv_cache
 @pytest.mark.filterwarnings(MERGE_WARNING)
 def test_a_group_targeting_attention_quantizes_q_k_and_v(tmp_path: Path) -> None:
     """As compressed-tensors does, a group targeting the attention quantizes
@@ -228,6 +265,7 @@ def test_a_group_targeting_attention_quantizes_q_k_and_v(tmp_path: Path) -> None
         torch.testing.assert_close(loaded[name], scale, rtol=0, atol=0)
 
 
+@needs_kv_cache
 def test_observing_the_cache_does_not_change_the_forward() -> None:
     model = build_decoder("mistral")
     batch = _batches()[0]
@@ -242,6 +280,7 @@ def test_observing_the_cache_does_not_change_the_forward() -> None:
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
+@needs_kv_cache
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -293,6 +332,7 @@ def test_kv_scales_equal_llmcompressor_oneshot(tmp_path: Path) -> None:
         torch.testing.assert_close(found[name], value, rtol=1e-4, atol=0)
 
 
+@needs_kv_cache
 @pytest.mark.filterwarnings(MERGE_WARNING)
 def test_a_wide_regex_leaves_the_attention_states_to_the_kv_cache(
     tmp_path: Path,

@@ -6,13 +6,16 @@ issue 25).
 
 Set-up differences aligned here: one text per batch (llm-compressor observes
 padded positions, quantobs does not, so only unpadded batches are
-comparable) and eager attention (llm-compressor calibrates under it).
+comparable) and the attention llm-compressor calibrates under (0.14.0.1:
+eager; its nightly: the model's own, `conftest.oneshot_attention`).
 
 A peer bug we do not copy (`MASKLESS`): for Mistral and Phi-3, oneshot's
 sequential pipeline runs the decoder layers with no attention mask at all,
 so their input qparams there come from activations the model never
 produces; ours are checked against a plain forward instead, and theirs
-against the same forward with the mask dropped, which pins the bug.
+against the same forward with the mask dropped, which pins the bug (under
+the nightly's sdpa a dropped mask attends causally: Mistral loses its
+sliding window).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 from quantobs.calibration import Recipe, attach, calibrate
-from tests.calibration.conftest import SENTENCES
+from tests.calibration.conftest import SENTENCES, oneshot_attention
 from tests.decoders import save_decoder, tiny_tokenizer
 
 pytestmark = [
@@ -109,8 +112,8 @@ def _ours(directory: Path, scheme: str) -> dict[str, torch.Tensor]:
     # llm-compressor calibrates under eager attention (`calibration_forward_
     # context` -> `use_eager_attention`); sdpa's activations differ in the
     # last bits, and Gemma-2's under sdpa skip its attention logit
-    # soft-capping (1.2e-5 relative here)
-    model = _load(directory, attn="eager")
+    # soft-capping (1.2e-5 relative here); its nightly under the model's own
+    model = _load(directory, attn=oneshot_attention())
     attach(model, Recipe.from_scheme(scheme, ignore=["lm_head"]))
     one_per_batch = [
         dict(tokenizer(t, truncation=True, max_length=64, return_tensors="pt"))
@@ -125,7 +128,8 @@ def _forward_inputs(
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors' input qparams (its own `calculate_qparams` /
     `generate_gparam`) over the ranges every `Linear` input takes in a plain
-    eager forward of `TEXTS`; `masked=False` drops the attention mask as
+    forward of `TEXTS` under oneshot's attention (`oneshot_attention`);
+    `masked=False` drops the attention mask as
     llm-compressor's sequential pipeline does for `MASKLESS` families."""
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import (
@@ -136,7 +140,7 @@ def _forward_inputs(
     args = preset_name_to_scheme(scheme, ["Linear"]).input_activations
     if args is None:
         return {}
-    model = _load(directory, attn="eager")
+    model = _load(directory, attn=oneshot_attention())
     ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def observe(name: str, x: torch.Tensor) -> None:

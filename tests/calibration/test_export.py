@@ -31,6 +31,7 @@ from tests.calibration.conftest import (
     tiny_llama,
     token_batches,
 )
+from tests.decoders import KV_CACHE_REASON, kv_cache_quantizable
 
 pytestmark = pytest.mark.peers
 compressed_tensors = pytest.importorskip("compressed_tensors")
@@ -401,6 +402,7 @@ def _attention_recipe(attention: str) -> Recipe:
     return recipe
 
 
+@pytest.mark.skipif(not kv_cache_quantizable(), reason=KV_CACHE_REASON)
 @pytest.mark.filterwarnings(MERGE_WARNING)
 def test_attention_and_kv_cache_scales_are_exported(tmp_path: Path) -> None:
     model = tiny_llama()

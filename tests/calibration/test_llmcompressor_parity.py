@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from quantobs.calibration import Recipe, attach, calibrate
-from tests.calibration.conftest import SENTENCES, minilm_dir
+from tests.calibration.conftest import SENTENCES, minilm_dir, oneshot_attention
 
 pytestmark = [pytest.mark.peers, pytest.mark.slow]
 
@@ -31,8 +31,9 @@ def test_fp8_static_inputs_equal_oneshot(tokenizer: object) -> None:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     texts = SENTENCES[:8]
-    # llm-compressor runs its calibration forward with eager attention; so do
-    # we here (sdpa's float results differ in the last bits).
+    # llm-compressor 0.14.0.1 runs its calibration forward with eager
+    # attention, its nightly with the model's own; so do we here (sdpa's
+    # float results differ in the last bits: `oneshot_attention`).
     theirs = transformers.AutoModel.from_pretrained(minilm_dir())
     dataset = datasets.Dataset.from_dict({"text": texts}).map(
         lambda row: tokenizer(row["text"], truncation=True, max_length=64),
@@ -47,9 +48,9 @@ def test_fp8_static_inputs_equal_oneshot(tokenizer: object) -> None:
         num_calibration_samples=len(texts),
         max_seq_length=64,
     )
-    ours = transformers.AutoModel.from_pretrained(
-        minilm_dir(), attn_implementation="eager"
-    )
+    attention = oneshot_attention()
+    kwargs = {} if attention is None else {"attn_implementation": attention}
+    ours = transformers.AutoModel.from_pretrained(minilm_dir(), **kwargs)
     attach(ours, Recipe.from_scheme("FP8", ignore=["re:.*pooler.*"]))
     one_per_batch = [
         dict(tokenizer(t, truncation=True, max_length=64, return_tensors="pt"))

@@ -27,23 +27,28 @@ from quantobs.calibration import (
 from quantobs.calibration.tokens import TokenMask, real_tokens
 from tests.calibration import dist_workers as workers
 from tests.calibration.conftest import SENTENCES
-from tests.decoders import build_decoder, tiny_tokenizer
+from tests.decoders import build_decoder, kv_cache_quantizable, tiny_tokenizer
 
 OBSERVERS = ("static_minmax", "histogram", "percentile")
 
 
 def recipe(observer: str) -> Recipe:
-    """Static int8 inputs of every Linear and the queries, fp8 k/v per head."""
+    """Static int8 inputs of every Linear and the queries, fp8 k/v per head
+    (the Linear inputs alone under a transformers whose attention states
+    compressed-tensors cannot quantize: `kv_cache_quantizable`)."""
     int8 = {"num_bits": 8, "strategy": "tensor", "observer": observer}
+    groups: dict[str, Any] = {
+        "linear": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "strategy": "channel"},
+            "input_activations": int8,
+        }
+    }
+    if not kv_cache_quantizable():
+        return Recipe(config_groups=groups, ignore=["lm_head"])
+    groups["attn"] = {"targets": ["LlamaAttention"], "input_activations": int8}
     return Recipe(
-        config_groups={
-            "linear": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "strategy": "channel"},
-                "input_activations": int8,
-            },
-            "attn": {"targets": ["LlamaAttention"], "input_activations": int8},
-        },
+        config_groups=groups,
         ignore=["lm_head"],
         kv_cache_scheme={
             "num_bits": 8,

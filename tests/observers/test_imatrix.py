@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 import logging
 import math
@@ -133,6 +134,43 @@ OPTIONS: list[dict[str, Any]] = [
 ]
 
 
+#: llm-compressor's nightly (0.14.1a: `observers/grid_search.py`) changed
+#: its imatrix search; quantobs follows 0.14.0.1's. Read from the nightly:
+#: it tries `int(maxshrink * grid)` candidates (0.14.0.1: `max(1, ...) + 1`,
+#: so maxshrink 0 searches nothing there), `patience=0` searches
+#: exhaustively, and up to 512 values per qparam its errors are summed in
+#: the weight's bf16 / fp16. Measured under the nightly: these cases differ.
+NIGHTLY_GRID = importlib.util.find_spec("llmcompressor.observers.grid_search")
+NIGHTLY_DIFFERS = {
+    ("imatrix_mse", case, "{'maxshrink': 0.0}")
+    for case in (
+        "nvfp4",
+        "int4-group",
+        "int4-group-asym",
+        "int4-channel-asym",
+        "fp8-channel",
+        "fp8-block",
+    )
+} | {
+    ("nvfp4_expanded_imatrix", case, options)
+    for case, options in [
+        ("nvfp4", "{'patience': 1, 'grid': 7.5}"),
+        ("nvfp4", "{'maxshrink': 0.0}"),
+        ("int4-group", "{}"),
+        ("int4-group", "{'patience': 0}"),
+        ("int4-group", "{'patience': 1, 'grid': 7.5}"),
+        ("int4-group", "{'maxshrink': 0.0}"),
+        ("int4-group-asym", "{'patience': 1, 'grid': 7.5}"),
+        ("int4-group-asym", "{'maxshrink': 0.0}"),
+        ("int8-channel", "{'maxshrink': 0.0}"),
+        ("int4-channel-asym", "{'patience': 1, 'grid': 7.5}"),
+        ("int4-channel-asym", "{'maxshrink': 0.0}"),
+        ("fp8-channel", "{'maxshrink': 0.0}"),
+        ("fp8-block", "{'maxshrink': 0.0}"),
+    ]
+}
+
+
 @pytest.mark.peers
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: str(o) or "defaults")
 @pytest.mark.parametrize("case", list(ARGS))
@@ -142,6 +180,7 @@ def test_imatrix_parity_with_llm_compressor(
 ) -> None:
     """Same importance (both gathered by their hooks) -> same qparams, bit for
     bit: the errors are llm-compressor's float32 products and sums."""
+    differs = NIGHTLY_GRID is not None and (name, case, str(options)) in NIGHTLY_DIFFERS
     if name == "nvfp4_expanded_imatrix" and options.get("grid") == 10:
         options = {**options, "grid": 40}
     layer = _layer()
@@ -154,6 +193,10 @@ def test_imatrix_parity_with_llm_compressor(
     assert gathered is not None
     assert torch.equal(gathered.sum, theirs._imatrix_sum)
     assert torch.equal(gathered.count, theirs._imatrix_count)
+    if differs:  # the nightly's changed search (NIGHTLY_DIFFERS)
+        with pytest.raises(AssertionError):
+            _assert_parity(ours, theirs, layer.weight.detach())
+        return
     _assert_parity(ours, theirs, layer.weight.detach())
 
 
@@ -174,6 +217,11 @@ def test_overflowing_errors_parity(name: str, case: str) -> None:
     theirs = _theirs(name, ARGS[case])
     theirs._imatrix_sum = importance.clone()
     theirs._imatrix_count = torch.tensor(1)
+    if NIGHTLY_GRID is not None and name == "nvfp4_expanded_imatrix":
+        # the nightly's search (NIGHTLY_DIFFERS) picks other candidates here
+        with pytest.raises(AssertionError):
+            _assert_parity(ours, theirs, weight)
+        return
     _assert_parity(ours, theirs, weight)
 
 
