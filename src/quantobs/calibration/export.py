@@ -1,5 +1,8 @@
 """Save a calibrated model as a compressed-tensors checkpoint.
 
+(One concept, about 500 lines: the checkpoint's formats, checks and the
+atomic write; freezing and sharding live in `freeze.py` and `shards.py`.)
+
 `save_compressed(model, out_dir)` writes what llm-compressor writes, with
 compressed-tensors' own compressors: it freezes the calibrated model itself
 (`quantobs.calibration.freeze`: observers and hooks removed,

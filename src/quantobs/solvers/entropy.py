@@ -1,5 +1,8 @@
 """Entropy (KL-divergence) calibration as in TensorRT and NVIDIA ModelOpt.
 
+(One concept, a little over 500 lines: the exhaustive search and its
+coarse-to-fine twin share the candidate rule and the divergence kernel.)
+
 On a histogram of |x| whose bin 0 starts at 0, each candidate `i` (from
 `start_bin` up to the bin holding the largest value, every `stride` bins)
 clips at the edge `i * width` and is scored by `KL(P || Q)`:
