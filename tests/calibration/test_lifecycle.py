@@ -256,3 +256,16 @@ def test_the_loop_knows_no_observer_class() -> None:
         classes = {"StaticMSEObserver", "CandidateErrors", "IMatrixMSEObserver"}
         assert not names & classes
         assert "ObserverEngine" not in names or module is strategy
+
+
+def test_a_pass_stopped_partway_is_not_continued() -> None:
+    """A batch that fails leaves part of a pass in the observers: the next
+    calibrate() refuses instead of adding every batch again."""
+    model = tiny_llama()
+    attach(model, _recipe())
+    good = token_batches(2)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the model raises
+        calibrate(model, [good[0], {"input_ids": "not a tensor"}], progress=False)
+    assert Calibration.of(model).status is Status.OBSERVING
+    with pytest.raises(RuntimeError, match=r"stopped partway.*attach them again"):
+        calibrate(model, good, progress=False)

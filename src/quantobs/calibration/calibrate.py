@@ -157,12 +157,19 @@ def calibrate(
     Raises:
         RuntimeError: no observers attached, `sync=True` outside an
             initialized process group, an observer with no data under
-            `on_empty="raise"`, or a model already exported.
+            `on_empty="raise"`, a model already exported, or an earlier
+            call that stopped partway.
         ValueError: an unknown `pipeline` / `propagate`, or
             `pipeline="layer"` for a model without decoder layers.
     """
     start = time.perf_counter()
     calibration = Calibration.of(model)
+    if calibration.status is Status.OBSERVING:
+        raise RuntimeError(
+            "an earlier calibrate() stopped partway (an error or an interrupt) "
+            "and the observers hold part of its batches; attach them again "
+            "(or load_state a saved state) to start over"
+        )
     if calibration.status in (Status.FROZEN, Status.SYNCED):
         calibration.reopen()  # continue: the statistics accumulate
     if calibration.status is Status.ATTACHED:

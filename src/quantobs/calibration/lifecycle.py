@@ -212,8 +212,18 @@ class Calibration:
                 under `pipeline="layer"`.
         """
         self._require("observe", Status.ATTACHED, Status.OBSERVING)
+        if (
+            self.status is Status.OBSERVING
+            and not isinstance(self.strategy, Local)
+            and any(_needs(e, Need.INPUT_IMPORTANCE) for e in self.attachment.entries)
+        ):  # each observe() sums the processes' importance once
+            raise RuntimeError(
+                "cannot observe again in this pass: across processes the "
+                "input importance of the weights was summed already; freeze() "
+                "and reopen() (as calibrate() does) to observe more batches"
+            )
         chosen = sequential.choose(self.model, pipeline, needs_data(self.attachment))
-        sequential.check_propagate(propagate)
+        sequential.check_propagate(propagate, self.attachment.entries)
         if self.status is Status.ATTACHED:
             self.batches = 0
             self._frozen = set()

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from quantobs.calibration import offload
 from quantobs.calibration.experts import uncounted
 from quantobs.calibration.running import move, progress_bar, run_batch
 from quantobs.calibration.segment import Segment
@@ -146,10 +147,20 @@ def choose(model: torch.nn.Module, pipeline: str, needs_data: bool) -> str:
     return "layer"
 
 
-def check_propagate(propagate: str) -> None:
-    """Raise ValueError for an unknown `propagate`."""
+def check_propagate(propagate: str, entries: Iterable[Entry] = ()) -> None:
+    """Raise ValueError for an unknown `propagate`, or for
+    `propagate="quantized"` with a weight accelerate offloads (its
+    fake-quantized values could not reach the forward), before any work."""
     if propagate not in _PROPAGATE:
         raise ValueError(f"propagate must be one of {_PROPAGATE}, got {propagate!r}")
+    if propagate != "quantized":
+        return
+    for entry in entries:
+        if entry.base_name == "weight" and offload.is_offloaded(entry.module):
+            raise ValueError(
+                f"propagate='quantized' needs the weights in memory; {entry.key} "
+                "is offloaded (use propagate='unquantized')"
+            )
 
 
 # ------------------------------------------------------------- the cache
@@ -218,8 +229,9 @@ class _Item:
         """Layer `index`'s `output` becomes the next layer's hidden states."""
         self.records[index] = None
         hidden = output[0] if isinstance(output, tuple) else output
-        self.hidden = self.keep(hidden)
-        self.output = self.keep(output)
+        memo: dict[int, Any] = {}  # the hidden states are moved once
+        self.hidden = self.keep(hidden, memo)
+        self.output = self.keep(output, memo)
 
 
 def _moved(value: Any, device: torch.device, memo: dict[int, Any]) -> Any:
@@ -259,7 +271,7 @@ def _replaced(
 
 
 def _capture(
-    model: torch.nn.Module, layers: list[torch.nn.Module], batch: Any, offload: bool
+    model: torch.nn.Module, layers: list[torch.nn.Module], batch: Any, offloaded: bool
 ) -> _Item:
     """Run `batch` with every decoder layer replaced by one that records its
     arguments and passes its hidden states on; stop at the last layer (so
@@ -289,7 +301,7 @@ def _capture(
         )
     hidden = _hidden_of(*(records[0] or ((), {})))
     device = hidden.device if isinstance(hidden, torch.Tensor) else _CPU
-    item = _Item(batch, [], masks[0], device, offload)
+    item = _Item(batch, [], masks[0], device, offloaded)
     memo: dict[int, Any] = {}
     item.records = [item.keep(r, memo) for r in records]
     item.hidden = item.keep(hidden, memo)
@@ -305,13 +317,8 @@ def _fake_quantized(entries: Iterable[Entry]) -> Iterator[None]:
     under the qparams written on their modules (restored after)."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
-        for entry in entries:
+        for entry in entries:  # in memory (`check_propagate`)
             weight = entry.weight
-            if weight.device.type == "meta":
-                raise ValueError(
-                    f"propagate='quantized' needs the weights in memory; "
-                    f"{entry.key} is offloaded (use propagate='unquantized')"
-                )
             module = entry.module
             scale = module.get_parameter("weight_scale")
             quantized = fake_quantize(
@@ -381,12 +388,12 @@ def observe_layers(
         raise ValueError("the model has no decoder layers")
     prefix, layers = found
     entries = calibration.attachment.entries
-    offload = is_offloaded(model)
+    offloaded = is_offloaded(model)
     # 1. capture the first layer's inputs (no observer outside sees them yet)
     items: list[_Item] = []
     with calibration.only([]):
         for batch in batches:
-            items.append(_capture(model, layers, batch, offload))
+            items.append(_capture(model, layers, batch, offloaded))
     indices = list(range(len(items)))
     first = 0 if items else None
     # 2. each layer
@@ -404,8 +411,8 @@ def observe_layers(
             layer: torch.nn.Module = layer,
             index: int = index,
             out: dict[int, Any] = outputs,
-        ) -> None:
-            out[i] = _run_layer(layer, index, items[i])
+        ) -> None:  # each output kept (on the CPU when offloaded) as it comes
+            out[i] = items[i].keep(_run_layer(layer, index, items[i]))
 
         calibration.observe_segment(Segment(mine, run, indices, first))
         calibration.freeze_weights(calibration.segment_groups(mine))
