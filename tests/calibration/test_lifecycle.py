@@ -269,3 +269,29 @@ def test_a_pass_stopped_partway_is_not_continued() -> None:
     assert Calibration.of(model).status is Status.OBSERVING
     with pytest.raises(RuntimeError, match=r"stopped partway.*attach them again"):
         calibrate(model, good, progress=False)
+
+
+def test_an_in_place_export_failing_after_the_freeze_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of disk space while writing: no file is left, and the model (its
+    weights compressed by then) is reported as exported, not as frozen."""
+    pytest.importorskip("compressed_tensors")
+    from quantobs.calibration import export
+
+    model = tiny_llama()
+    attach(model, _recipe())
+    calibrate(model, token_batches(1), progress=False)
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "sorted_state", full)
+    calibration = Calibration.of(model)
+    with pytest.raises(OSError, match="No space left"):
+        calibration.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+    assert calibration.status is Status.EXPORTED
+    with pytest.raises(RuntimeError, match="exported in place"):
+        calibrate(model, token_batches(1), progress=False)

@@ -39,7 +39,12 @@ from typing import Any, Literal
 import torch
 
 from quantobs.calibration import sequential
-from quantobs.calibration.attach import Attachment, Entry, attachment_of
+from quantobs.calibration.attach import (
+    ATTACHMENT_ATTR,
+    Attachment,
+    Entry,
+    attachment_of,
+)
 from quantobs.calibration.experts import (
     observe_all_experts,
     routed_tokens,
@@ -287,9 +292,11 @@ class Calibration:
             RuntimeError: not frozen (calibrate first), or exported in place.
         """
         self._require("export", Status.FROZEN)
-        path: Path = save_compressed(self.model, out_dir, **options)
-        if not options.get("copy", False):
-            self.status = Status.EXPORTED
+        try:
+            path: Path = save_compressed(self.model, out_dir, **options)
+        finally:  # a failure once the model was frozen in place leaves it so
+            if getattr(self.model, ATTACHMENT_ATTR, None) is not self.attachment:
+                self.status = Status.EXPORTED
         return path
 
     def report(self, seconds: float = 0.0) -> CalibrationReport:
