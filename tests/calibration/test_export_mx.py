@@ -113,7 +113,7 @@ def test_mx_checkpoint_loads_back(scheme: str, fmt: str, tmp_path: Path) -> None
     recipe = Recipe.from_scheme(scheme, ignore=["lm_head"])
     assert checkpoint_formats(recipe) == {"group_0": fmt}
     model = _calibrated(recipe)
-    out = save_compressed(model, tmp_path / scheme)
+    out = save_compressed(model, tmp_path / scheme, copy=True)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["format"] == fmt
     (group,) = quant["config_groups"].values()
@@ -141,7 +141,7 @@ def test_mixed_mx_checkpoint_loads_back(tmp_path: Path) -> None:
         "mlp": rest_format,
     }
     model = _calibrated(recipe)
-    out = save_compressed(model, tmp_path / "mixed")
+    out = save_compressed(model, tmp_path / "mixed", copy=True)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "mixed-precision"
     _assert_loads_back(model, out, mixed=True)
