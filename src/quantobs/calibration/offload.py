@@ -198,10 +198,7 @@ def _offload(
             path = folder / f"{key}.{uuid.uuid4().hex[:12]}.safetensors"
             safetensors.torch.save_file({"tensor": value}, str(path))
             state.pop(key, None)
-            old = index.get(key, {}).get("safetensors_file")
             index[key] = {"safetensors_file": str(path), "weight_name": "tensor"}
-            if old is not None and Path(old).parent == folder:  # ours, replaced
-                Path(old).unlink(missing_ok=True)
         else:
             state[key] = value
         keys = getattr(store, "all_keys", None)
