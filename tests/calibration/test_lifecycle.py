@@ -295,3 +295,45 @@ def test_an_in_place_export_failing_after_the_freeze_says_so(
     assert calibration.status is Status.EXPORTED
     with pytest.raises(RuntimeError, match="exported in place"):
         calibrate(model, token_batches(1), progress=False)
+
+
+def _counting_calls(module: torch.nn.Module) -> list[int]:
+    calls: list[int] = []
+    forward = module.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    module.forward = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_pass_stops_before_an_unobserved_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # lm_head ignored: every observation is made inside the base model, so
+    # the logits are never computed, and the qparams are those of full passes
+    batches = token_batches(3)
+    cut, whole = tiny_llama(), tiny_llama()
+    calls = _counting_calls(cut.lm_head)
+    attach(cut, _recipe())
+    attach(whole, _recipe())
+    observed = [e.module for e in attachment_of(cut).entries]
+    assert lifecycle.unobserved_head(cut, observed) is cut.lm_head
+    calibrate(cut, batches, progress=False)
+    assert calls == []
+    monkeypatch.setattr(lifecycle, "unobserved_head", lambda *_: None)
+    calibrate(whole, batches, progress=False)
+    ours, reference = _qparams(cut), _qparams(whole)
+    assert ours.keys() == reference.keys() and ours
+    assert all(torch.equal(ours[k], reference[k]) for k in ours)
+    assert cut.lm_head(torch.ones(1, cut.config.hidden_size)).shape[-1] > 0  # hook gone
+
+
+def test_an_observed_head_runs() -> None:
+    model = tiny_llama()
+    calls = _counting_calls(model.lm_head)
+    attach(model, Recipe(config_groups=_recipe().config_groups))  # lm_head too
+    calibrate(model, token_batches(2), progress=False)
+    assert calls and "lm_head.input_scale" in _qparams(model)

@@ -60,7 +60,12 @@ from quantobs.calibration.qparams import (
     fused_groups,
     set_qparams,
 )
-from quantobs.calibration.running import peek, progress_bar, run_batch
+from quantobs.calibration.running import (
+    peek,
+    progress_bar,
+    run_batch,
+    unobserved_head,
+)
 from quantobs.calibration.segment import Only, Segment
 from quantobs.calibration.strategy import Local, Strategy
 from quantobs.observers.needs import Need
@@ -398,9 +403,11 @@ class Calibration:
             batches, first = peek(batches)
         if not needs_data(self.attachment):
             batches = []
+        # the logits are never computed where no observer follows the base model
+        head = unobserved_head(self.model, (e.module for e in self.attachment.entries))
         segment = Segment(
             entries=list(self.attachment.entries),
-            run=lambda batch: run_batch(self.model, batch),
+            run=lambda batch: run_batch(self.model, batch, stop_before=head),
             items=batches,
             first=first,
         )

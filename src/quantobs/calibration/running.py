@@ -12,7 +12,15 @@ import torch
 
 from quantobs.calibration.tokens import real_tokens
 
-__all__ = ["device_of", "move", "peek", "progress_bar", "run_batch", "to_model_device"]
+__all__ = [
+    "device_of",
+    "move",
+    "peek",
+    "progress_bar",
+    "run_batch",
+    "to_model_device",
+    "unobserved_head",
+]
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
@@ -42,16 +50,66 @@ def to_model_device(batch: Any, model: torch.nn.Module) -> Any:
     return move(batch, device_of(model))
 
 
-def run_batch(model: torch.nn.Module, batch: Any) -> Any:
+class _Cut(Exception):
+    """Raised before the output head runs: the pass has nothing left to see."""
+
+
+def _cut(module: torch.nn.Module, args: Any) -> None:
+    raise _Cut
+
+
+def unobserved_head(
+    model: torch.nn.Module, observed: Iterable[torch.nn.Module]
+) -> torch.nn.Module | None:
+    """The output head (`get_output_embeddings()`, e.g. `lm_head`) a
+    calibration pass may stop before, or None.
+
+    It may when the head runs after the whole base model (it lies outside
+    `model.base_model`, which transformers' task models call first) and
+    every `observed` module lies inside the base model: by then every
+    observation of the pass has been made, and the head's logits
+    (`(B, S, vocab)`, often the largest activation of the pass) are never
+    computed. Models without both (an encoder alone, a custom module) run
+    whole.
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    base = getattr(model, "base_model", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module) or not isinstance(base, torch.nn.Module):
+        return None
+    if base is model:
+        return None
+    inside = {id(m) for m in base.modules()}
+    if id(head) in inside or any(id(m) not in inside for m in observed):
+        return None
+    return head
+
+
+def run_batch(
+    model: torch.nn.Module, batch: Any, stop_before: torch.nn.Module | None = None
+) -> Any:
     """Run one batch (keyword arguments, positional ones, or one tensor);
-    the hooks see its real tokens only (`real_tokens`)."""
+    the hooks see its real tokens only (`real_tokens`).
+
+    With `stop_before` (a module of `model`, see `unobserved_head`) the pass
+    ends where that module would start, and returns None.
+    """
     batch = to_model_device(batch, model)
-    with real_tokens(batch):
-        if isinstance(batch, Mapping):
-            return model(**batch)
-        if isinstance(batch, list | tuple):
-            return model(*batch)
-        return model(batch)
+    handle = None
+    if stop_before is not None:
+        handle = stop_before.register_forward_pre_hook(_cut)
+    try:
+        with real_tokens(batch):
+            if isinstance(batch, Mapping):
+                return model(**batch)
+            if isinstance(batch, list | tuple):
+                return model(*batch)
+            return model(batch)
+    except _Cut:
+        return None
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def peek(batches: Iterable[Any]) -> tuple[Iterable[Any], Any]:
