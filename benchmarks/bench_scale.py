@@ -20,6 +20,12 @@ writes the compressed-tensors checkpoint; it reports
   `from_pretrained`; `calib`; `export`) above what the interpreter held
   before loading the model, in model sizes; the peak device memory where
   the model runs on an accelerator;
+* `anon`: the peak of the process's anonymous resident memory (`RssAnon`,
+  sampled every 2 ms; Linux only) from the model's load to the end of the
+  export, above what the interpreter held before, in model sizes: memory
+  the process owns. The peak RSS also counts the
+  pages of the model's safetensors files that transformers maps and the
+  kernel can drop under pressure;
 * `same as`: whether the checkpoint equals quantobs' in-memory one bit for
   bit (every shard, the index and config.json: `bits`), else how many of
   its tensors are bit-identical to it.
@@ -211,9 +217,15 @@ def _row(way: str, result: dict[str, Any], model_gb: float, same: str) -> str:
         for s in ("load", "calib", "export")
     )
     device = result.get("device_peak_gb")
+    anon, anon_base = result.get("anon_peak_gb"), result.get("anon_base_gb")
     text = (
         f"  {way:<16}{result['calib_s']:>8.1f}{result['export_s']:>9.1f}"
         f"{peak:>10.2f}{peak / model_gb:>9.2f}x{stages}"
+        + (
+            f"{(anon - anon_base) / model_gb:>7.2f}x"
+            if anon is not None and anon_base is not None
+            else f"{'-':>8}"
+        )
     )
     if device is not None:
         text += f"{device:>9.2f}"
@@ -258,7 +270,7 @@ def main() -> None:
             print(
                 f"  {'way':<16}{'calib s':>8}{'export s':>9}{'peak RSS':>10}"
                 f"{'x model':>10}{'load':>8}{'calib':>8}{'export':>8}"
-                "  same as memory"
+                f"{'anon':>8}  same as memory"
             )
             reference: Path | None = None
             for way in opts.ways.split(","):
@@ -339,6 +351,32 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
+class _AnonPeak:
+    """The peak of `RssAnon` (GB), sampled every 2 ms by a daemon thread
+    while running (None where /proc has no such field)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _status_gb("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        if self.peak is not None:
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            found = _status_gb("RssAnon")
+            if found is not None and self.peak is not None:
+                self.peak = max(self.peak, found)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return self.peak
+
+
 def _device_map(layers: int, device: Any) -> dict[str, Any]:
     """The first half of the decoder layers (and the embeddings, the final
     norm) on `device`, the second half and lm_head on disk."""
@@ -393,6 +431,8 @@ def child(job: dict[str, Any]) -> None:
     _import_all(job)  # no import is timed
     _reset_peak()
     base = _status_gb("VmRSS") or _rss_gb()
+    anon = _AnonPeak()
+    anon_base = anon.peak
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
     if job["way"].endswith("offload"):
         kwargs["device_map"] = _device_map(job["layers"], device)
@@ -406,12 +446,15 @@ def child(job: dict[str, Any]) -> None:
         calib_s, export_s = _oneshot(model, ids, job)
     else:
         calib_s, export_s = _quantobs(model, ids, job)
+    anon_peak = anon.stop()
     result = {
         "calib_s": calib_s,
         "export_s": export_s,
         "base_rss_gb": base,
         "peak_rss_gb": max(_PEAKS.values()),
         "peaks_gb": dict(_PEAKS),
+        "anon_peak_gb": anon_peak,
+        "anon_base_gb": anon_base,
     }
     if cuda:
         result["device_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
