@@ -30,8 +30,11 @@ model accelerate offloads), with the same qparams. With `--distributed`
 each process batches and calibrates its contiguous share of the texts and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
 `--offload-folder` the model is loaded with accelerate's offloading
-(`quantobs.cli.offloading`); the checkpoint is written in place (the model
-is frozen after its evaluation) in files of at most `--max-shard-size`.
+(`quantobs.cli.offloading`); the evaluation quantizes one weight at a time
+(nothing copied), the checkpoint is written in place (the model is frozen
+after its evaluation) in files of at most `--max-shard-size`, and no file of
+quantobs is left under `--offload-folder` when the command ends (succeeding
+or not; `quantobs.calibration.offload.release_written`).
 """
 
 from __future__ import annotations
@@ -219,13 +222,8 @@ def _check_format(options: argparse.Namespace, scheme: str) -> None:
 
 
 def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None:
-    from quantobs.calibration import (
-        attach,
-        calibrate,
-        text_batches,
-    )
+    from quantobs.calibration.offload import release_written
     from quantobs.data import calibration_texts, heldout_texts
-    from quantobs.report.evaluate import evaluate
 
     scheme = scheme_name(options.scheme)
     directory = model_dir(options.model)
@@ -243,6 +241,33 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
         calibration = _my_texts(calibration, group.rank, group.world)
     saved = None if options.resume is None else _read_resume(options.resume)
     model, tokenizer = load_model(directory, **loading)
+    try:
+        _calibrate_loaded(
+            options,
+            group,
+            (model, tokenizer),
+            (scheme, directory, calibration, held_out_texts),
+            (out, max_shard_size, saved),
+        )
+    finally:  # nothing of ours left under --offload-folder, whatever happened
+        release_written(model)
+
+
+def _calibrate_loaded(
+    options: argparse.Namespace,
+    group: TorchrunGroup | None,
+    loaded: tuple[Any, Any],
+    inputs: tuple[str, Path, list[str], list[str]],
+    outputs: tuple[Path, int, Any],
+) -> None:
+    """`_calibrate` once the model is loaded: attach, calibrate, evaluate,
+    write."""
+    from quantobs.calibration import attach, calibrate, text_batches
+    from quantobs.report.evaluate import evaluate
+
+    model, tokenizer = loaded
+    scheme, directory, calibration, held_out_texts = inputs
+    out, max_shard_size, saved = outputs
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
