@@ -462,3 +462,70 @@ def test_a_cpu_offloaded_export_frees_the_original_weights(
     assert f"{q_proj}_packed" in loader.state_dict
     assert "lm_head.weight" in loader.state_dict  # not quantized: kept
     assert _files(in_place) == _files(expected) == _files(copied)
+
+
+class _Probe:
+    """A global forward pre-hook (every module of every model) recording, at
+    each module call, what the evaluation holds: the offloaded modules with
+    weights loaded, the weights of modules in memory that are not the
+    model's own tensors, and the weights written under the offload folder."""
+
+    def __init__(self, model: torch.nn.Module, folder: Path) -> None:
+        self.own = {id(t) for t in model.parameters()}
+        self.folder = folder / WRITTEN_DIR
+        self.seen: dict[int, torch.nn.Module] = {}
+        self.most_loaded = 0
+        self.copied: set[str] = set()
+        self.weight_files: set[str] = set()
+        self.calls = 0
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.calls += 1
+        self.seen[id(module)] = module
+        loaded = 0
+        for seen in self.seen.values():
+            weight = seen._parameters.get("weight")
+            if weight is None:
+                continue
+            if is_offloaded(seen):
+                loaded += not weight.is_meta
+            elif id(weight) not in self.own:
+                self.copied.add(type(seen).__name__)
+        self.most_loaded = max(self.most_loaded, loaded)
+        self.weight_files.update(
+            p.name for p in self.folder.glob("*.weight.*.safetensors")
+        )
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+def test_an_offloaded_model_evaluates_one_weight_at_a_time(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    """The evaluation of a disk-offloaded model copies no weight (its view
+    shares the model's), writes no quantized weight under the offload folder
+    and never has more than one offloaded module loaded; its numbers are
+    those of the model in memory, bit for bit, and it leaves no file."""
+    from quantobs.report.evaluate import HeldOut, evaluate
+
+    source = sources[torch.float32]
+    in_memory = _load(source, torch.float32)
+    held_out = HeldOut.of(in_memory, _batches(source)[:1])
+    attach(in_memory, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+    calibrate(in_memory, _batches(source), progress=False)
+    expected = evaluate(in_memory, held_out)
+
+    folder = tmp_path / "offload"
+    model = _calibrated(source, "W4A16", folder)
+    files = _written_files(folder)
+    probe = _Probe(model, folder)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(probe)
+    try:
+        found = evaluate(model, held_out)
+    finally:
+        handle.remove()
+    assert probe.calls > 20
+    assert probe.most_loaded <= 1
+    assert probe.copied == set()  # every weight in memory is the model's own
+    assert probe.weight_files == set()  # no quantized weight written
+    assert _written_files(folder) == files  # the view's qparams gone with it
+    assert found == expected
