@@ -75,7 +75,8 @@ __all__ = [
 ]
 
 #: How the batches run: `"model"` whole, `"layer"` one decoder layer at a
-#: time, `"auto"` layer by layer for models accelerate offloads.
+#: time, `"auto"` layer by layer for models that do not fit their device
+#: (`sequential.choose`).
 Pipeline = Literal["auto", "model", "layer"]
 #: What a layer passes on to the next, layer by layer (`sequential`).
 Propagate = Literal["unquantized", "quantized"]
@@ -112,8 +113,9 @@ class Calibration:
 
     Use `Calibration.of(model)`; `calibrate` drives it. Attributes:
     `model`, `attachment`, `status`, `strategy` (`Local` unless `use`d),
-    `batches` (run by the current pass), `tokens` (after `freeze`),
-    `fell_back` (observers that fell back at `freeze`).
+    `batches` (run by the current pass), `pipeline` (`"model"` or `"layer"`:
+    how the last `observe` ran), `tokens` (after `freeze`), `fell_back`
+    (observers that fell back at `freeze`).
     """
 
     def __init__(self, model: torch.nn.Module, attachment: Attachment) -> None:
@@ -123,6 +125,7 @@ class Calibration:
         self.strategy: Strategy = Local()
         self.groups = fused_groups(attachment.entries)  # fused weight groups
         self.batches = 0
+        self.pipeline = "model"
         self.tokens: dict[str, int] = {}
         self.fell_back: list[str] = []
         self._owners: list[int] = [0] * len(self.groups)
@@ -196,6 +199,7 @@ class Calibration:
         pipeline: Pipeline = "auto",
         propagate: Propagate = "unquantized",
         all_experts: bool = False,
+        device_memory: int | None = None,
     ) -> int:
         """Observe the weights and run the batches (see the module).
 
@@ -207,6 +211,10 @@ class Calibration:
             pipeline: `"model"`, `"layer"` or `"auto"` (`sequential`).
             propagate: layer by layer, what a layer passes on (`sequential`).
             all_experts: every real token to every MoE expert's observers.
+            device_memory: under `pipeline="auto"`, the bytes the model may
+                take on its device (None: its free memory, measured;
+                `sequential.choose`). Across processes, layer by layer when
+                any process needs it.
 
         Returns:
             The batches run (0 when no observer needs data).
@@ -227,13 +235,22 @@ class Calibration:
                 "input importance of the weights was summed already; freeze() "
                 "and reopen() (as calibrate() does) to observe more batches"
             )
-        chosen = sequential.choose(self.model, pipeline, needs_data(self.attachment))
+        data = needs_data(self.attachment)
+        first = None
+        if pipeline == "auto" and data:  # its activations are estimated
+            batches, first = peek(batches)
+        chosen = sequential.choose(
+            self.model, pipeline, data, batch=first, device_memory=device_memory
+        )
+        if pipeline == "auto" and data:  # every process runs the same way
+            chosen = "layer" if self.strategy.any(chosen == "layer") else "model"
         sequential.check_propagate(propagate, self.attachment.entries)
         if self.status is Status.ATTACHED:
             self.batches = 0
             self._frozen = set()
             self._owners = self.strategy.owners(self.groups)
         self.status = Status.OBSERVING
+        self.pipeline = chosen
         with torch.no_grad(), observe_all_experts(all_experts):
             if chosen == "layer":
                 count = sequential.observe_layers(
