@@ -427,7 +427,7 @@ def _cpu_dispatched(model: torch.nn.Module) -> Any:
 
     state = extract_submodules_state_dict(model.state_dict(), CPU_OFFLOADED)
     loader = OffloadedWeightsLoader(state_dict=state)
-    device_map = {n: "cpu" for n in DEVICE_MAP}
+    device_map = dict.fromkeys(DEVICE_MAP, "cpu")
     attach_align_device_hook_on_blocks(
         model,
         execution_device={"": "cpu", **device_map},

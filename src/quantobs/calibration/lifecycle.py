@@ -25,7 +25,8 @@ Anything else is refused with a `RuntimeError` naming the status and the
 step to take. Distribution is one `Strategy` (`quantobs.calibration.strategy`);
 what observers need beyond their hooks they declare (`Observer.needs`,
 `quantobs.observers.needs`) and this loop serves: shared references, input
-importance, a second pass. The loop knows no observer class.
+importance, a second pass (its first pass combined across processes
+before it starts). The loop knows no observer class.
 """
 
 from __future__ import annotations
@@ -457,12 +458,21 @@ class Calibration:
 
     def _second_pass(self, segment: Segment, items: Iterable[Any]) -> None:
         """Run the items again for the observers that declare a second pass
-        (the others off; tokens and routing counted once)."""
+        (the others off; tokens and routing counted once). Across processes
+        their first pass is combined before `begin_second_pass()` (every
+        process starts the second pass from the totals), and afterwards
+        kept by the process that keeps totals only (the final sync counts
+        each batch once)."""
         entries = self._second_pass_entries(segment.entries)
         if not entries:
             return
+        batched = [e.observer for e in entries if e.base_name != "weight"]
+        self.strategy.sync(batched)  # weights: observed whole by their owner
         for entry in entries:
             entry.observer.begin_second_pass()
+        if not self.strategy.keeps_totals():
+            for observer in batched:
+                observer.clear_data()
         tokens = {e.key: e.tokens for e in entries}
         with self.only(entries), uncounted():
             for item in items:
