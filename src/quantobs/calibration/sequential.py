@@ -160,7 +160,7 @@ def free_memory(device: torch.device) -> int | None:
     if device.type != "cpu":
         return None
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError:
         return _meminfo_available()
     return int(psutil.virtual_memory().available)
