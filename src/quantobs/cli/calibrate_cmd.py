@@ -25,8 +25,9 @@ report, the held-out metrics of the quantized model against the unquantized
 one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
 the checkpoint's path. `--pipeline layer` calibrates one decoder layer at
 a time (`quantobs.calibration.sequential`; the default, `auto`, does for a
-model accelerate offloads), with the same qparams. With `--distributed`
-(under `torchrun`),
+model that does not fit its device: offloaded, or its parameters and a
+batch's activations beyond the device's free memory), with the same
+qparams. With `--distributed` (under `torchrun`),
 each process batches and calibrates its contiguous share of the texts and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
 `--offload-folder` the model is loaded with accelerate's offloading
@@ -158,7 +159,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default="auto",
         help="run each batch through the whole model, or one decoder layer at "
         "a time (the hidden states cached between layers; same qparams); "
-        "auto: layer by layer when the model is offloaded (default: auto)",
+        "auto: layer by layer when the model does not fit its device (offloaded, "
+        "or its weights and a batch's activations beyond its free memory) "
+        "(default: auto)",
     )
     parser.add_argument(
         "--distributed",
