@@ -498,13 +498,16 @@ class _Probe:
 
 
 @pytest.mark.filterwarnings(MERGE_WARNING)
+@pytest.mark.parametrize("kind", ["disk", "cpu"])
 def test_an_offloaded_model_evaluates_one_weight_at_a_time(
-    sources: dict[torch.dtype, Path], tmp_path: Path
+    kind: str, sources: dict[torch.dtype, Path], tmp_path: Path
 ) -> None:
-    """The evaluation of a disk-offloaded model copies no weight (its view
-    shares the model's), writes no quantized weight under the offload folder
-    and never has more than one offloaded module loaded; its numbers are
-    those of the model in memory, bit for bit, and it leaves no file."""
+    """The evaluation of an offloaded model copies no weight (its view
+    shares the model's, in memory and in the loader's CPU state dict),
+    writes no quantized weight under the offload folder and never has more
+    than one offloaded module loaded; its numbers are those of the model in
+    memory, bit for bit, and it leaves no file."""
+    from quantobs.calibration.offload import _dataset
     from quantobs.report.evaluate import HeldOut, evaluate
 
     source = sources[torch.float32]
@@ -515,17 +518,38 @@ def test_an_offloaded_model_evaluates_one_weight_at_a_time(
     expected = evaluate(in_memory, held_out)
 
     folder = tmp_path / "offload"
-    model = _calibrated(source, "W4A16", folder)
+    if kind == "disk":
+        model = _calibrated(source, "W4A16", folder)
+        originals: dict[str, torch.Tensor] = {}
+    else:
+        model = _load(source, torch.float32)
+        originals = dict(_cpu_dispatched(model).state_dict)
+        attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+        calibrate(model, _batches(source), progress=False)
     files = _written_files(folder)
     probe = _Probe(model, folder)
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(probe)
+    shared: list[bool] = []
+
+    def loader_values(module: torch.nn.Module, args: Any) -> None:
+        if is_offloaded(module) and "weight" in module._parameters:
+            prefix, store = _dataset(module._hf_hook.weights_map)
+            value = store.state_dict.get(prefix + "weight")
+            if value is not None:
+                shared.append(value is originals[prefix + "weight"])
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        for hook in (probe, loader_values)
+    ]
     try:
         found = evaluate(model, held_out)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     assert probe.calls > 20
     assert probe.most_loaded <= 1
     assert probe.copied == set()  # every weight in memory is the model's own
     assert probe.weight_files == set()  # no quantized weight written
     assert _written_files(folder) == files  # the view's qparams gone with it
+    assert all(shared) and (len(shared) >= 8) == (kind == "cpu")
     assert found == expected
