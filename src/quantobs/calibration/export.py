@@ -433,7 +433,11 @@ def save_compressed(
     `model.safetensors.index.json` when there are several): no more than one
     shard is held beyond the model, and a model loaded with accelerate's
     offloading (`device_map`, `offload_folder`) is compressed one module at
-    a time and written without loading all its weights. The checkpoint is
+    a time and written without loading all its weights; the files it and
+    calibration wrote under `offload_folder/quantobs/` for what was frozen
+    are removed at the end (in place: all of the model's; `copy=True`: the
+    copy's; `offload.release_written(model)` removes a model's at once,
+    otherwise they go with it). The checkpoint is
     the same, bit for bit, whichever way. It loads with
     `transformers.AutoModel.from_pretrained(out_dir)` (dequantized with
     `CompressedTensorsConfig(dequantize=True)`) and with vLLM::
