@@ -554,3 +554,70 @@ def continued(path: str, rank: int, world: int) -> dict[str, Any]:
         )
         found[name] = (model_qparams(model), model_qparams(resumed), report.tokens)
     return found
+
+
+# ------------------------------------------------- a second pass, synced
+
+
+def _two_pass_class() -> type[Observer]:
+    """`TwoPasses`: a `static_minmax` observer declaring `Need.SECOND_PASS`
+    (as `test_lifecycle`'s) whose second pass depends on the first pass of
+    every process: it observes the values less the centre of the first
+    pass's range, so its qparams equal one process's only when the first
+    pass was combined before the second began."""
+    from quantobs.observers.minmax import StaticMinMaxObserver
+    from quantobs.observers.needs import Need
+
+    class TwoPasses(StaticMinMaxObserver):
+        needs = frozenset({Need.SECOND_PASS})
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.centre: torch.Tensor | None = None
+
+        def begin_second_pass(self) -> None:
+            stat: Any = self.statistic()
+            if stat is None:  # no process saw data
+                return
+            self.centre = (stat.min_vals + stat.max_vals) / 2
+            self.clear_data()
+
+        def update(self, observed: torch.Tensor) -> None:
+            if self.centre is not None:
+                observed = observed - self.centre.to(observed.dtype)
+            super().update(observed)
+
+    return TwoPasses
+
+
+def calibrate_two_passes(
+    indices: list[int], sync: bool, pipeline: str
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """A tiny Llama's static int8 inputs observed by `TwoPasses` (its
+    weights FP8), on the batches at `indices`."""
+    from quantobs.calibration import attach, calibrate
+    from quantobs.calibration.attach import attachment_of
+    from tests.calibration.conftest import tiny_llama
+
+    model = tiny_llama()
+    attach(model, model_recipe("static_minmax"))
+    two_passes = _two_pass_class()
+    for entry in attachment_of(model).entries:
+        if entry.base_name == "input":  # the observer replaced in place
+            observer = two_passes("input", entry.args, entry.module)
+            entry.module.register_module("input_observer", observer)
+    data = model_batches()
+    report = calibrate(
+        model,
+        (data[i] for i in indices),
+        progress=False,
+        sync=sync,
+        pipeline=pipeline,
+    )
+    return model_qparams(model), report.tokens
+
+
+def second_pass(rank: int, world: int) -> dict[str, Any]:
+    """`calibrate(sync=True)` with a second pass, whole and layer by layer."""
+    mine = shard(rank, world)
+    return {p: calibrate_two_passes(mine, True, p) for p in ("model", "layer")}

@@ -409,3 +409,30 @@ def test_synced_calibration_continues_and_resumes_exactly(
                 assert torch.equal(continued[key], value), (rank, key)
                 assert torch.equal(resumed[key], value), (rank, key)
             assert found_tokens == tokens
+
+
+@pytest.mark.slow
+def test_a_second_pass_starts_from_every_process_first_pass(tmp_path: Path) -> None:
+    """An observer declaring `Need.SECOND_PASS` whose second pass depends on
+    the first pass's totals: 2 processes end with one process's qparams and
+    tokens bit for bit, whole and layer by layer (the first pass combined
+    between the passes; each batch counted once at the final sync)."""
+    runs = workers.launch(workers.second_pass, 2, tmp_path / "out")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: matmul results depend on it
+    try:
+        everything = list(range(workers.NUM_BATCHES))
+        expected = {
+            p: workers.calibrate_two_passes(everything, False, p)
+            for p in ("model", "layer")
+        }
+    finally:
+        torch.set_num_threads(threads)
+    for pipeline, (qparams, tokens) in expected.items():
+        assert len(qparams) > 20
+        for rank, run in enumerate(runs):
+            found, found_tokens = run[pipeline]
+            assert found.keys() == qparams.keys()
+            for key, value in qparams.items():
+                assert torch.equal(found[key], value), (pipeline, rank, key)
+            assert found_tokens == tokens

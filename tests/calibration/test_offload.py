@@ -26,6 +26,8 @@ from quantobs.calibration.offload import (
     is_offloaded,
     onloaded,
     read_tensor,
+    release_written,
+    remove_parameter,
     write_parameter,
 )
 from quantobs.calibration.simulate import calibrated_qparams
@@ -188,6 +190,8 @@ def test_an_offloaded_model_calibrates_and_exports_the_in_memory_checkpoint(
     assert "model.layers.1.self_attn.q_proj.weight_packed" in names or (
         "model.layers.1.self_attn.q_proj.weight" in names  # FP8: weight kept
     )
+    # the in-place export let go of every file it and calibration wrote
+    assert not (tmp_path / "offload" / WRITTEN_DIR).exists()
 
     config = transformers.CompressedTensorsConfig(dequantize=True)
     batch = _batches(source)[0]
@@ -318,3 +322,249 @@ def test_fused_experts_export_in_place_as_from_a_copy(tmp_path: Path) -> None:
     in_place = save_compressed(calibrated(), tmp_path / "in-place")
     assert _files(in_place) == _files(copied)
     assert any("experts.3." in k for k in _tensors(in_place))
+
+
+def _written_files(folder: Path) -> set[Path]:
+    return set((folder / WRITTEN_DIR).glob("*.safetensors"))
+
+
+def test_written_files_belong_to_the_model_and_its_copies(tmp_path: Path) -> None:
+    """accelerate's `disk_offload`: a file of ours is removed once no copy of
+    the model reads it (written again, removed, released, or the copy gone);
+    a copy writing its own never removes the model's."""
+    import copy
+    import gc
+
+    model = _tiny()
+    inputs = torch.randn(3, 8)
+    expected = model(inputs)
+    accelerate.disk_offload(model, str(tmp_path), execution_device=torch.device("cpu"))
+    layer = model[0]
+    write_parameter(layer, "weight_scale", torch.full((4, 1), 0.25))
+    first = _written_files(tmp_path)
+    write_parameter(layer, "weight_scale", torch.full((4, 1), 0.5))  # replaced
+    mine = _written_files(tmp_path)
+    assert len(first) == len(mine) == 1 and first != mine  # no orphaned file
+
+    clone = copy.deepcopy(model)  # reads the model's file until it writes its own
+    torch.testing.assert_close(
+        read_tensor(clone[0], "weight_scale"), torch.full((4, 1), 0.5)
+    )
+    write_parameter(clone[0], "weight_scale", torch.full((4, 1), 2.0))
+    assert len(_written_files(tmp_path)) == 2 and mine < _written_files(tmp_path)
+    torch.testing.assert_close(
+        read_tensor(layer, "weight_scale"), torch.full((4, 1), 0.5)
+    )
+    torch.testing.assert_close(model(inputs), expected)  # its forward as before
+    again = copy.deepcopy(model)
+    del clone
+    gc.collect()  # the copy's own file goes with it, the shared one stays
+    assert _written_files(tmp_path) == mine
+    assert release_written(model) == 1  # the model lets go: the copy still reads it
+    assert _written_files(tmp_path) == mine
+    torch.testing.assert_close(
+        read_tensor(again[0], "weight_scale"), torch.full((4, 1), 0.5)
+    )
+    remove_parameter(again[0], "weight_scale")  # its last reader
+    assert not (tmp_path / WRITTEN_DIR).exists()
+    assert "weight_scale" not in again[0]._parameters
+    torch.testing.assert_close(again(inputs), expected)
+    with pytest.raises(AttributeError, match="no tensor"):
+        remove_parameter(again[0], "weight_scale")
+
+
+def _enabled(model: torch.nn.Module, on: bool) -> None:
+    for entry in attachment_of(model).entries:
+        entry.enabled = on
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+def test_an_export_of_a_copy_leaves_the_model_and_its_files(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    """copy=True on a disk-offloaded model: the copy's files go at the end of
+    the export, the model keeps its own and runs as before; its in-place
+    export then writes the same checkpoint and leaves no file of ours."""
+    source = sources[torch.float32]
+    folder = tmp_path / "offload"
+    model = _calibrated(source, "FP8", folder)
+    before = _written_files(folder)
+    assert before
+    qparams = calibrated_qparams(attachment_of(model))
+    batch = _batches(source)[0]
+    _enabled(model, False)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    _enabled(model, True)
+    copied = save_compressed(model, tmp_path / "copy", copy=True)
+    assert _written_files(folder) == before
+    _assert_same_qparams(model, qparams)
+    _enabled(model, False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, logits, rtol=0, atol=0)
+    _enabled(model, True)
+    in_place = save_compressed(model, tmp_path / "in-place")
+    assert _files(in_place) == _files(copied)
+    assert not (folder / WRITTEN_DIR).exists()
+
+
+#: `DEVICE_MAP` as a machine with an accelerator offloads it to the CPU
+CPU_OFFLOADED = ["model.layers.1", "lm_head"]
+
+
+def _cpu_dispatched(model: torch.nn.Module) -> Any:
+    """What accelerate's `dispatch_model` does for a device map sending
+    `CPU_OFFLOADED` to "cpu" on a machine with an accelerator (on a CPU-only
+    machine it does not offload to the CPU): their weights in an
+    `OffloadedWeightsLoader`'s CPU state dict, meta placeholders in the
+    modules, `AlignDevicesHook`s loading them for each forward. Returns the
+    loader."""
+    from accelerate.hooks import attach_align_device_hook_on_blocks
+    from accelerate.utils import (
+        OffloadedWeightsLoader,
+        extract_submodules_state_dict,
+    )
+
+    state = extract_submodules_state_dict(model.state_dict(), CPU_OFFLOADED)
+    loader = OffloadedWeightsLoader(state_dict=state)
+    device_map = dict.fromkeys(DEVICE_MAP, "cpu")
+    attach_align_device_hook_on_blocks(
+        model,
+        execution_device={"": "cpu", **device_map},
+        offload={n: n in CPU_OFFLOADED for n in DEVICE_MAP},
+        weights_map=loader,
+    )
+    model.hf_device_map = device_map  # transformers' mark of an offloaded model
+    return loader
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+def test_a_cpu_offloaded_export_frees_the_original_weights(
+    sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    """In place, each original weight leaves the loader's CPU state dict as
+    its compressed tensors are written; the checkpoint is the in-memory one
+    bit for bit. copy=True leaves the model's weights map whole."""
+    source = sources[torch.float32]
+    expected = save_compressed(_calibrated(source, "W4A16"), tmp_path / "memory")
+    model = _load(source, torch.float32)
+    loader = _cpu_dispatched(model)
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert model.model.layers[1].self_attn.q_proj.weight.is_meta
+    assert q_proj in loader.state_dict and "lm_head.weight" in loader.state_dict
+    attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+    calibrate(model, _batches(source), progress=False)
+    copied = save_compressed(model, tmp_path / "copy", copy=True)
+    assert q_proj in loader.state_dict  # the copy's weights map was its own
+    in_place = save_compressed(model, tmp_path / "in-place")
+    originals = [k for k in loader.state_dict if k.endswith("_proj.weight")]
+    assert originals == []  # freed, their compressed tensors in their place
+    assert f"{q_proj}_packed" in loader.state_dict
+    assert "lm_head.weight" in loader.state_dict  # not quantized: kept
+    assert _files(in_place) == _files(expected) == _files(copied)
+
+
+class _Probe:
+    """A global forward pre-hook (every module of every model) recording, at
+    each module call, what the evaluation holds: the offloaded modules with
+    weights loaded, the weights of modules in memory that are not the
+    model's own tensors, and the weights written under the offload folder."""
+
+    def __init__(self, model: torch.nn.Module, folder: Path) -> None:
+        self.own = {id(t) for t in model.parameters()}
+        self.folder = folder / WRITTEN_DIR
+        self.seen: dict[int, torch.nn.Module] = {}
+        self.most_loaded = 0
+        self.copied: set[str] = set()
+        self.weight_files: set[str] = set()
+        self.calls = 0
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.calls += 1
+        self.seen[id(module)] = module
+        loaded = 0
+        for seen in self.seen.values():
+            weight = seen._parameters.get("weight")
+            if weight is None:
+                continue
+            if is_offloaded(seen):
+                loaded += not weight.is_meta
+            elif id(weight) not in self.own:
+                self.copied.add(type(seen).__name__)
+        self.most_loaded = max(self.most_loaded, loaded)
+        self.weight_files.update(
+            p.name for p in self.folder.glob("*.weight.*.safetensors")
+        )
+
+
+@pytest.mark.filterwarnings(MERGE_WARNING)
+@pytest.mark.parametrize("kind", ["disk", "cpu"])
+def test_an_offloaded_model_evaluates_one_weight_at_a_time(
+    kind: str, sources: dict[torch.dtype, Path], tmp_path: Path
+) -> None:
+    """The evaluation of an offloaded model copies no weight (its view
+    shares the model's, in memory and in the loader's CPU state dict),
+    writes no quantized weight under the offload folder and never has more
+    than one offloaded module loaded; its numbers are those of the model in
+    memory, bit for bit, and it leaves no file."""
+    from quantobs.calibration.offload import _dataset
+    from quantobs.report.evaluate import HeldOut, evaluate
+
+    source = sources[torch.float32]
+    in_memory = _load(source, torch.float32)
+    held_out = HeldOut.of(in_memory, _batches(source)[:1])
+    attach(in_memory, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+    calibrate(in_memory, _batches(source), progress=False)
+    expected = evaluate(in_memory, held_out)
+
+    folder = tmp_path / "offload"
+    if kind == "disk":
+        model = _calibrated(source, "W4A16", folder)
+        originals: dict[str, torch.Tensor] = {}
+    else:
+        model = _load(source, torch.float32)
+        originals = dict(_cpu_dispatched(model).state_dict)
+        attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+        calibrate(model, _batches(source), progress=False)
+    files = _written_files(folder)
+    probe = _Probe(model, folder)
+    shared: list[bool] = []
+
+    def loader_values(module: torch.nn.Module, args: Any) -> None:
+        if is_offloaded(module) and "weight" in module._parameters:
+            prefix, store = _dataset(module._hf_hook.weights_map)
+            value = store.state_dict.get(prefix + "weight")
+            if value is not None:
+                shared.append(value is originals[prefix + "weight"])
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        for hook in (probe, loader_values)
+    ]
+    try:
+        found = evaluate(model, held_out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert probe.calls > 20
+    assert probe.most_loaded <= 1
+    assert probe.copied == set()  # every weight in memory is the model's own
+    assert probe.weight_files == set()  # no quantized weight written
+    assert _written_files(folder) == files  # the view's qparams gone with it
+    assert all(shared) and (len(shared) >= 8) == (kind == "cpu")
+    assert found == expected
+
+
+def test_offloaded_fused_experts_are_refused_clearly(tmp_path: Path) -> None:
+    """MoE experts stored fused and offloaded by accelerate: their
+    per-expert Linears view meta placeholders no hook loads, so calibration
+    refuses them with a message that says what to do (load them in memory)."""
+    source = save_decoder("qwen3_moe", tmp_path / "source")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload")
+    )
+    assert is_offloaded(model.model.layers[1].mlp.experts)
+    attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+    batch = {"input_ids": torch.arange(32).reshape(2, 16)}
+    with pytest.raises(RuntimeError, match="offloaded MoE experts stored fused"):
+        calibrate(model, [batch], progress=False)

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from quantobs.calibration import Recipe, attach, attachment_of, calibrate, text_batches
-from quantobs.calibration.sequential import choose, decoder_layers
+from quantobs.calibration.lifecycle import Calibration
+from quantobs.calibration.sequential import (
+    activation_bytes,
+    choose,
+    decoder_layers,
+    fits,
+    free_memory,
+)
 from quantobs.core.quantize import fake_quantize
 from tests.calibration import dist_workers as workers
 from tests.calibration.conftest import SENTENCES
@@ -226,6 +233,55 @@ def test_auto_is_layer_by_layer_for_a_model_accelerate_offloads() -> None:
     accelerate_hooks.add_hook_to_module(model.model.layers[1], hook)
     assert choose(model, "auto", needs_data=True) == "layer"
     assert choose(model, "model", needs_data=True) == "model"
+
+
+def test_fits_counts_parameters_and_activations_against_free_memory() -> None:
+    assert fits(600, 400, 1000)
+    assert not fits(600, 401, 1000)
+    assert not fits(1, 0, 0)
+    assert fits(10**15, 10**15, None)  # not measurable: taken to fit
+
+
+def test_activations_are_estimated_from_the_widest_output() -> None:
+    model = build_decoder("llama")
+    widest = max(
+        model.config.vocab_size,
+        *(m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)),
+    )
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    assert activation_bytes(model, {"input_ids": ids}) == 2 * 5 * widest * 4 * 3
+    assert activation_bytes(model, (ids,)) == activation_bytes(model, ids)
+    assert activation_bytes(model, None) == 0
+
+
+def test_free_memory_is_measured_where_it_can_be() -> None:
+    found = free_memory(torch.device("cpu"))
+    assert found is None or found > 0  # psutil, else /proc/meminfo
+    assert free_memory(torch.device("meta")) is None
+
+
+def test_auto_is_layer_by_layer_when_the_model_does_not_fit_its_device() -> None:
+    """`device_memory` stands for the device: one byte short of the model's
+    parameters and its first batch's activations, `"auto"` calibrates layer
+    by layer (with the whole model's qparams); with room, whole."""
+    model, plain = build_decoder("llama"), build_decoder("llama")
+    tensors = [*model.parameters(), *model.buffers()]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    needed = size + activation_bytes(model, _batches()[0])
+    batch = _batches()[0]
+    assert choose(model, "auto", True, batch=batch, device_memory=needed) == "model"
+    assert choose(model, "auto", True, batch=batch, device_memory=needed - 1) == (
+        "layer"
+    )
+    for each in (model, plain):
+        attach(each, _recipe("FP8", "llama"))
+    calibrate(model, iter(_batches()), progress=False, device_memory=needed - 1)
+    calibrate(plain, _batches(), progress=False, device_memory=needed)
+    assert Calibration.of(model).pipeline == "layer"
+    assert Calibration.of(plain).pipeline == "model"
+    found, expected = _qparams(model), _qparams(plain)
+    assert found.keys() == expected.keys() and len(found) > 10
+    assert all(torch.equal(found[k], v) for k, v in expected.items())
 
 
 def test_bad_pipelines_are_refused() -> None:

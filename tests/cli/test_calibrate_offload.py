@@ -65,7 +65,7 @@ def test_an_offloaded_model_writes_the_in_memory_checkpoint(
     args = ["--offload-folder", str(folder), "--max-memory", "cpu=200KB"]
     assert main([*common, *args, "--out", str(tmp_path / "offloaded")]) == EXIT_OK
     offloaded = capsys.readouterr().out
-    assert list(folder.glob("quantobs/*.safetensors"))  # it was offloaded
+    assert not (folder / "quantobs").exists()  # no file of ours left
     files = _files(tmp_path / "offloaded")
     assert "model.safetensors.index.json" in files
     assert len([f for f in files if f.startswith("model-")]) > 2
@@ -74,7 +74,25 @@ def test_an_offloaded_model_writes_the_in_memory_checkpoint(
     def metrics(out: str) -> str:
         return next(line for line in out.splitlines() if line.startswith("held-out"))
 
-    assert metrics(offloaded) == metrics(in_memory)
+    assert metrics(offloaded) == metrics(in_memory)  # its forward was right
+
+
+@pytest.mark.slow  # one CLI run with its evaluation: ~10 s
+def test_a_failed_offloaded_run_leaves_no_file_of_ours(
+    common: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The checkpoint cannot be written (its parent is a file) once the
+    offloaded modules' qparams are written under the offload folder: the
+    command fails in one line and removes them."""
+    folder = tmp_path / "offload"
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory", encoding="utf-8")
+    args = ["--offload-folder", str(folder), "--max-memory", "cpu=200KB"]
+    assert main([*common, *args, "--out", str(blocked / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot write the checkpoint" in err, err
+    assert folder.is_dir()  # it was offloaded
+    assert not (folder / "quantobs").exists()
 
 
 @pytest.mark.parametrize(

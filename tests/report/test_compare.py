@@ -270,8 +270,9 @@ def test_json_ready(comparison: Comparison) -> None:
 def test_evaluation_is_compressed_tensors_forward(
     tiny: tuple[torch.nn.Module, object],
 ) -> None:
-    # evaluate fake-quantizes each weight once instead of in every forward;
-    # the embeddings are those of compressed-tensors' own quantized forward
+    # evaluate fake-quantizes each weight in every forward of a view sharing
+    # the model's tensors; the embeddings are those of compressed-tensors'
+    # own quantized forward on a copy
     import copy
 
     from quantobs.calibration.simulate import compressed_tensors_copy

@@ -118,6 +118,7 @@ def calibrate(
     all_experts: bool = False,
     pipeline: Pipeline = "auto",
     propagate: Propagate = "unquantized",
+    device_memory: int | None = None,
 ) -> CalibrationReport:
     """Run the batches through the model with its observers, write the qparams.
 
@@ -143,13 +144,18 @@ def calibrate(
         pipeline: `"model"` runs each batch through the whole model;
             `"layer"` one decoder layer at a time, the batches' hidden states
             cached at the layer boundary (`quantobs.calibration.sequential`);
-            `"auto"` (default): `"layer"` when accelerate offloads the model
-            (it does not fit its device), else `"model"`. With the default
+            `"auto"` (default): `"layer"` when the model does not fit its
+            device (accelerate offloads it, or its parameters plus an
+            estimate of a batch's activations exceed `device_memory`:
+            `sequential.choose`), else `"model"`. With the default
             `propagate` both give the same qparams bit for bit.
         propagate: layer by layer, what a layer passes on to the next:
             `"unquantized"` (default: its outputs, as in a whole-model pass)
             or `"quantized"` (its outputs with its weights fake-quantized, as
             GPTQ-style pipelines need; later layers' qparams then differ).
+        device_memory: the bytes `pipeline="auto"` lets the model take on
+            its device; None (default): its free memory (CUDA's, or the
+            available RAM) plus what its tensors take there already.
 
     Returns:
         The `CalibrationReport`.
@@ -180,6 +186,7 @@ def calibrate(
         pipeline=pipeline,
         propagate=propagate,
         all_experts=all_experts,
+        device_memory=device_memory,
     )
     calibration.sync()
     calibration.freeze(on_empty=on_empty)

@@ -56,6 +56,15 @@ In place, the export holds no second copy of the weights (each module's
 compressed tensors replace its weight; the shards are written from the
 model's own tensors); `copy=True` holds a second set while it is written
 (on the model's device). Under `torch.distributed`, call it on one process.
+
+A disk-offloaded model keeps the tensors calibration and the export write
+in files under `offload_folder/quantobs/` (`quantobs.calibration.offload`).
+The export removes those of what it froze once the checkpoint is written
+(or the write failed): in place, all of the model's (the exported model no
+longer saves again); with `copy=True`, the copy's only (the model keeps its
+qparams there and calibrates on). The files of a model that is never
+exported in place go with it (garbage-collected, or at the interpreter's
+exit), or at once with `offload.release_written(model)`.
 It needs the `export` extra (compressed-tensors, transformers, safetensors).
 """
 
@@ -74,6 +83,7 @@ import torch
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.freeze import freeze
+from quantobs.calibration.offload import release_written
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.shards import DEFAULT_SHARD_SIZE, shard_bytes, sorted_state
 from quantobs.calibration.simulate import calibrated_qparams, detached_copy
@@ -384,14 +394,19 @@ def _write(
 ) -> None:
     attachment = attachment_of(model)
     target = detached_copy(model) if copy else model
-    compressor = freeze(target, qparams, formats, attachment if copy else None)
-    with warnings.catch_warnings():
-        # transformers' advice for offloaded models: it writes shard by shard
-        warnings.filterwarnings("ignore", "Attempting to save a model with offloaded")
-        target.save_pretrained(  # type: ignore[operator]
-            temp, state_dict=sorted_state(target), max_shard_size=max_shard_size
-        )
-    compressor.update_config(str(temp))
+    try:
+        compressor = freeze(target, qparams, formats, attachment if copy else None)
+        with warnings.catch_warnings():
+            # transformers' advice for offloaded models: it writes shard by shard
+            warnings.filterwarnings(
+                "ignore", "Attempting to save a model with offloaded"
+            )
+            target.save_pretrained(  # type: ignore[operator]
+                temp, state_dict=sorted_state(target), max_shard_size=max_shard_size
+            )
+        compressor.update_config(str(temp))
+    finally:  # the frozen model's (or copy's) files under offload_folder/quantobs
+        release_written(target)
 
 
 def save_compressed(
@@ -418,7 +433,11 @@ def save_compressed(
     `model.safetensors.index.json` when there are several): no more than one
     shard is held beyond the model, and a model loaded with accelerate's
     offloading (`device_map`, `offload_folder`) is compressed one module at
-    a time and written without loading all its weights. The checkpoint is
+    a time and written without loading all its weights; the files it and
+    calibration wrote under `offload_folder/quantobs/` for what was frozen
+    are removed at the end (in place: all of the model's; `copy=True`: the
+    copy's; `offload.release_written(model)` removes a model's at once,
+    otherwise they go with it). The checkpoint is
     the same, bit for bit, whichever way. It loads with
     `transformers.AutoModel.from_pretrained(out_dir)` (dequantized with
     `CompressedTensorsConfig(dequantize=True)`) and with vLLM::

@@ -9,8 +9,10 @@ compressed ones (`weight_packed`, `weight_scale`, ...; its compressors'
 `compress` on the module's state dict, as `compress_module` does). An
 offloaded module is loaded for its own compression only and its compressed
 tensors are written back where it keeps its weights (`offload`), so that no
-more than one module's weights are ever loaded; in memory, each module's
-original weight is freed as its compressed tensors replace it.
+more than one module's weights are ever loaded; each module's original
+weight is freed as its compressed tensors replace it (in memory, and in the
+loader's CPU state dict of a CPU-offloaded module; a copy's weights map is
+its own, so `copy=True` leaves the model's).
 
 The model is then a compressed-tensors model in the `compressed` state: it
 saves (transformers' `save_pretrained`) but no longer calibrates or runs
@@ -29,7 +31,7 @@ import torch
 
 from quantobs.calibration.attach import Attachment, attachment_of, detach
 from quantobs.calibration.experts import keep_linear
-from quantobs.calibration.offload import onloaded, write_parameter
+from quantobs.calibration.offload import onloaded, remove_parameter, write_parameter
 from quantobs.calibration.simulate import quantize_in_place
 
 __all__ = ["compress_modules", "freeze"]
@@ -140,9 +142,11 @@ def _own_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _replace(module: torch.nn.Module, compressed: Mapping[str, torch.Tensor]) -> None:
     """The module's own tensors become `compressed` (frozen parameters,
-    where it keeps its weights), in `compressed`'s order."""
+    where it keeps its weights), in `compressed`'s order; those it no longer
+    has leave the module and, offloaded, its weights map (the loader's CPU
+    copy of the original weight freed)."""
     old = [n for n in [*module._parameters, *module._buffers] if n not in compressed]
     for name, value in compressed.items():  # placed beside the old ones
         write_parameter(module, name, value)
     for name in old:
-        delattr(module, name)
+        remove_parameter(module, name)

@@ -25,7 +25,8 @@ Anything else is refused with a `RuntimeError` naming the status and the
 step to take. Distribution is one `Strategy` (`quantobs.calibration.strategy`);
 what observers need beyond their hooks they declare (`Observer.needs`,
 `quantobs.observers.needs`) and this loop serves: shared references, input
-importance, a second pass. The loop knows no observer class.
+importance, a second pass (its first pass combined across processes
+before it starts). The loop knows no observer class.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ __all__ = [
 ]
 
 #: How the batches run: `"model"` whole, `"layer"` one decoder layer at a
-#: time, `"auto"` layer by layer for models accelerate offloads.
+#: time, `"auto"` layer by layer for models that do not fit their device
+#: (`sequential.choose`).
 Pipeline = Literal["auto", "model", "layer"]
 #: What a layer passes on to the next, layer by layer (`sequential`).
 Propagate = Literal["unquantized", "quantized"]
@@ -117,8 +119,9 @@ class Calibration:
 
     Use `Calibration.of(model)`; `calibrate` drives it. Attributes:
     `model`, `attachment`, `status`, `strategy` (`Local` unless `use`d),
-    `batches` (run by the current pass), `tokens` (after `freeze`),
-    `fell_back` (observers that fell back at `freeze`).
+    `batches` (run by the current pass), `pipeline` (`"model"` or `"layer"`:
+    how the last `observe` ran), `tokens` (after `freeze`), `fell_back`
+    (observers that fell back at `freeze`).
     """
 
     def __init__(self, model: torch.nn.Module, attachment: Attachment) -> None:
@@ -128,6 +131,7 @@ class Calibration:
         self.strategy: Strategy = Local()
         self.groups = fused_groups(attachment.entries)  # fused weight groups
         self.batches = 0
+        self.pipeline = "model"
         self.tokens: dict[str, int] = {}
         self.fell_back: list[str] = []
         self._owners: list[int] = [0] * len(self.groups)
@@ -201,6 +205,7 @@ class Calibration:
         pipeline: Pipeline = "auto",
         propagate: Propagate = "unquantized",
         all_experts: bool = False,
+        device_memory: int | None = None,
     ) -> int:
         """Observe the weights and run the batches (see the module).
 
@@ -212,6 +217,10 @@ class Calibration:
             pipeline: `"model"`, `"layer"` or `"auto"` (`sequential`).
             propagate: layer by layer, what a layer passes on (`sequential`).
             all_experts: every real token to every MoE expert's observers.
+            device_memory: under `pipeline="auto"`, the bytes the model may
+                take on its device (None: its free memory, measured;
+                `sequential.choose`). Across processes, layer by layer when
+                any process needs it.
 
         Returns:
             The batches run (0 when no observer needs data).
@@ -232,13 +241,22 @@ class Calibration:
                 "input importance of the weights was summed already; freeze() "
                 "and reopen() (as calibrate() does) to observe more batches"
             )
-        chosen = sequential.choose(self.model, pipeline, needs_data(self.attachment))
+        data = needs_data(self.attachment)
+        first = None
+        if pipeline == "auto" and data:  # its activations are estimated
+            batches, first = peek(batches)
+        chosen = sequential.choose(
+            self.model, pipeline, data, batch=first, device_memory=device_memory
+        )
+        if pipeline == "auto" and data:  # every process runs the same way
+            chosen = "layer" if self.strategy.any(chosen == "layer") else "model"
         sequential.check_propagate(propagate, self.attachment.entries)
         if self.status is Status.ATTACHED:
             self.batches = 0
             self._frozen = set()
             self._owners = self.strategy.owners(self.groups)
         self.status = Status.OBSERVING
+        self.pipeline = chosen
         with torch.no_grad(), observe_all_experts(all_experts):
             if chosen == "layer":
                 count = sequential.observe_layers(
@@ -447,12 +465,21 @@ class Calibration:
 
     def _second_pass(self, segment: Segment, items: Iterable[Any]) -> None:
         """Run the items again for the observers that declare a second pass
-        (the others off; tokens and routing counted once)."""
+        (the others off; tokens and routing counted once). Across processes
+        their first pass is combined before `begin_second_pass()` (every
+        process starts the second pass from the totals), and afterwards
+        kept by the process that keeps totals only (the final sync counts
+        each batch once)."""
         entries = self._second_pass_entries(segment.entries)
         if not entries:
             return
+        batched = [e.observer for e in entries if e.base_name != "weight"]
+        self.strategy.sync(batched)  # weights: observed whole by their owner
         for entry in entries:
             entry.observer.begin_second_pass()
+        if not self.strategy.keeps_totals():
+            for observer in batched:
+                observer.clear_data()
         tokens = {e.key: e.tokens for e in entries}
         with self.only(entries), uncounted():
             for item in items:

@@ -14,7 +14,20 @@ module's tensors while a block runs (`onloaded`), and writes new parameters
 folder's `quantobs/` directory for weights on disk), the module keeping a
 meta placeholder; beside its weights otherwise. accelerate's own hooks then
 load them with the weights at the next forward pass, and transformers'
-`save_pretrained` finds them where it finds the weights.
+`save_pretrained` finds them where it finds the weights. `remove_parameter`
+drops a tensor from the module and from the weights map (the export frees
+each original weight of a CPU-offloaded module as its compressed tensors
+replace it).
+
+**The files under `offload_folder/quantobs/`** belong to the weights loader
+that reads them (`_Written`), counted across its deep copies (a copy of an
+offloaded model reads the model's files until it writes its own): a file is
+removed once no loader reads it any more, when the tensor is written again
+or removed, when `release_written(model)` is called (the in-place export and
+`quantobs calibrate` call it at their end: the checkpoint holds the values),
+or when the loader is garbage-collected (at the latest when the interpreter
+exits). The loader's own files (accelerate's `.dat` files, the source
+checkpoint's safetensors) are never touched.
 
 Nothing here needs accelerate installed: without it no module is offloaded.
 """
@@ -22,8 +35,9 @@ Nothing here needs accelerate installed: without it no module is offloaded.
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +45,13 @@ import torch
 
 __all__ = [
     "first_device",
+    "held_tensors",
     "hooks_unwrapped",
     "is_offloaded",
     "onloaded",
     "read_tensor",
+    "release_written",
+    "remove_parameter",
     "write_parameter",
 ]
 
@@ -179,6 +196,93 @@ def _on_disk(loader: Any, module: torch.nn.Module, prefix: str) -> bool:
     return not in_memory and loader.save_folder is not None
 
 
+def _unlink(path: str) -> None:
+    """Remove a file of ours, and its directory once empty."""
+    file = Path(path)
+    file.unlink(missing_ok=True)
+    with suppress(OSError):  # other files left, or removed already
+        file.parent.rmdir()
+
+
+def _drop(counts: dict[str, int], path: str) -> None:
+    """One reader fewer for `path`; the file removed with its last."""
+    left = counts.get(path, 0) - 1
+    if left > 0:
+        counts[path] = left
+        return
+    counts.pop(path, None)
+    _unlink(path)
+
+
+def _release_all(counts: dict[str, int], paths: dict[str, str]) -> None:
+    for path in paths.values():
+        _drop(counts, path)
+    paths.clear()
+
+
+class _Written:
+    """The files under `offload_folder/quantobs/` one weights loader reads
+    (`{key: path}`), with the number of loaders reading each file (`counts`,
+    shared by a loader and its deep copies: a deep copy reads the files its
+    original does). A file is removed once no loader reads it: replaced,
+    removed, released, or its loaders garbage-collected."""
+
+    def __init__(self, counts: dict[str, int] | None = None) -> None:
+        self.counts: dict[str, int] = {} if counts is None else counts
+        self.paths: dict[str, str] = {}
+        # at the loader's end (or the interpreter's): its files go
+        weakref.finalize(self, _release_all, self.counts, self.paths)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Written:
+        copied = _Written(self.counts)
+        copied.paths.update(self.paths)
+        for path in self.paths.values():
+            self.counts[path] = self.counts.get(path, 0) + 1
+        return copied
+
+    def __copy__(self) -> _Written:  # a shallow copy shares the loader's index
+        return self
+
+    def put(self, key: str, path: str) -> None:
+        """`key` is read from `path` now (a new file of this loader)."""
+        old = self.paths.get(key)
+        self.paths[key] = path
+        self.counts[path] = self.counts.get(path, 0) + 1
+        if old is not None:
+            _drop(self.counts, old)
+
+    def pop(self, key: str) -> None:
+        """`key` is no longer read from a file of ours."""
+        old = self.paths.pop(key, None)
+        if old is not None:
+            _drop(self.counts, old)
+
+    def release(self) -> list[str]:
+        """Let go of every file; returns the keys they held."""
+        keys = list(self.paths)
+        _release_all(self.counts, self.paths)
+        return keys
+
+
+#: The attribute of accelerate's `OffloadedWeightsLoader` holding its `_Written`.
+_WRITTEN_ATTR = "_quantobs_written"
+
+
+def _written(loader: Any) -> _Written:
+    found = loader.__dict__.get(_WRITTEN_ATTR)
+    if not isinstance(found, _Written):
+        found = _Written()
+        loader.__dict__[_WRITTEN_ATTR] = found
+    return found
+
+
+def _is_loader(store: Any) -> bool:
+    """accelerate's `OffloadedWeightsLoader` (its CPU state dict and index)."""
+    return isinstance(getattr(store, "state_dict", None), dict) and isinstance(
+        getattr(store, "index", None), dict
+    )
+
+
 def _offload(
     module: torch.nn.Module, hook: Any, name: str, value: torch.Tensor
 ) -> None:
@@ -187,9 +291,8 @@ def _offload(
     prefix, store = _dataset(hook.weights_map)
     key = prefix + name
     value = value.detach().to("cpu").contiguous()
-    state = getattr(store, "state_dict", None)
-    index = getattr(store, "index", None)
-    if isinstance(state, dict) and isinstance(index, dict):  # OffloadedWeightsLoader
+    if _is_loader(store):  # OffloadedWeightsLoader
+        state, index = store.state_dict, store.index
         if _on_disk(store, module, prefix):
             import safetensors.torch
 
@@ -199,6 +302,7 @@ def _offload(
             safetensors.torch.save_file({"tensor": value}, str(path))
             state.pop(key, None)
             index[key] = {"safetensors_file": str(path), "weight_name": "tensor"}
+            _written(store).put(key, str(path))  # the file it replaces: let go
         else:
             state[key] = value
         keys = getattr(store, "all_keys", None)
@@ -235,6 +339,82 @@ def write_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) ->
         ):
             value = value.clone(memory_format=torch.contiguous_format)
     module.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _forget(store: Any, key: str) -> None:
+    """Remove `key` from a weights map (its value freed where nothing else
+    holds it; a file of ours removed once no copy reads it)."""
+    if _is_loader(store):
+        store.state_dict.pop(key, None)
+        if store.index.pop(key, None) is not None:
+            _written(store).pop(key)
+        keys = getattr(store, "all_keys", None)
+        if isinstance(keys, list) and key in keys:
+            keys.remove(key)
+    elif isinstance(store, MutableMapping):
+        store.pop(key, None)
+
+
+def remove_parameter(module: torch.nn.Module, name: str) -> None:
+    """Remove `module`'s own tensor `name`, and for an offloaded module its
+    value from the offload hook's `weights_map` too (the loader's CPU state
+    dict frees it; a file of ours is removed once no copy of the model reads
+    it). Deep copies of the model have weights maps of their own.
+
+    Raises:
+        AttributeError: no such tensor.
+    """
+    if name not in module._parameters and name not in module._buffers:
+        raise AttributeError(f"{type(module).__name__} has no tensor {name!r}")
+    hook = _offload_hook(module)
+    delattr(module, name)
+    if hook is not None:
+        prefix, store = _dataset(hook.weights_map)
+        _forget(store, prefix + name)
+
+
+def _loaders(model: torch.nn.Module) -> list[Any]:
+    """The distinct weights loaders of `model`'s offload hooks."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        hook = _offload_hook(module)
+        if hook is not None:
+            store = _dataset(hook.weights_map)[1]
+            found.setdefault(id(store), store)
+    return list(found.values())
+
+
+def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The values `model`'s offload hooks keep in memory (the loader's CPU
+    state dict, `cpu_offload`'s dict): what a copy sharing the model's
+    tensors must not copy."""
+    found: list[torch.Tensor] = []
+    for store in _loaders(model):
+        values = store.state_dict if _is_loader(store) else store
+        if isinstance(values, MutableMapping):
+            found.extend(v for v in values.values() if isinstance(v, torch.Tensor))
+    return found
+
+
+def release_written(model: torch.nn.Module) -> int:
+    """Let go of the files `model`'s offloaded modules read from
+    `offload_folder/quantobs/` (written by calibration and the export): each
+    is removed once no copy of the model reads it, and their tensors leave
+    the weights map (the modules keep meta placeholders with no value: call
+    it when the model is done with, e.g. after its checkpoint is written).
+    Returns the number of tensors let go (0 for a model in memory)."""
+    released = 0
+    for store in _loaders(model):
+        written = store.__dict__.get(_WRITTEN_ATTR)
+        if not isinstance(written, _Written):
+            continue
+        for key in written.release():
+            store.index.pop(key, None)
+            keys = getattr(store, "all_keys", None)
+            if isinstance(keys, list) and key in keys:
+                keys.remove(key)
+            released += 1
+    return released
 
 
 @contextmanager

@@ -2,8 +2,7 @@
 sequential pipeline does, for models bigger than the device.
 
 `calibrate(model, batches, pipeline="layer")` (the default, `"auto"`, for a
-model accelerate offloads: modules with an `_hf_hook`, or weights on the meta
-device) runs:
+model that does not fit its device: see `choose`) runs:
 
 1. **Capture.** Each batch runs through the model with every decoder layer
    replaced by one that records its arguments and passes its input on
@@ -69,9 +68,12 @@ if TYPE_CHECKING:
     from quantobs.calibration.lifecycle import Calibration
 
 __all__ = [
+    "activation_bytes",
     "check_propagate",
     "choose",
     "decoder_layers",
+    "fits",
+    "free_memory",
     "is_offloaded",
     "observe_layers",
 ]
@@ -120,12 +122,105 @@ def is_offloaded(model: torch.nn.Module) -> bool:
     )
 
 
-def choose(model: torch.nn.Module, pipeline: str, needs_data: bool) -> str:
+#: How many times a batch's widest output `activation_bytes` counts (the
+#: output, the input it is computed from, one temporary).
+_ACTIVATION_COPIES = 3
+#: The bytes of a float32 element: transformers computes the logits in it.
+_FLOAT32 = 4
+
+
+def fits(parameter_bytes: int, activation_bytes: int, free_bytes: int | None) -> bool:
+    """Whether a whole-model pass fits its device: the parameters plus the
+    activations of one batch within `free_bytes` (None: unknown, taken to
+    fit)."""
+    if free_bytes is None:
+        return True
+    return parameter_bytes + activation_bytes <= free_bytes
+
+
+def _meminfo_available() -> int | None:
+    """Linux's `MemAvailable` in bytes, or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def free_memory(device: torch.device) -> int | None:
+    """The free memory of `device` in bytes: CUDA's `mem_get_info`, the
+    CPU's available RAM (psutil where installed, else `/proc/meminfo`);
+    None where it cannot be measured (other devices, other systems)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except ImportError:
+        return _meminfo_available()
+    return int(psutil.virtual_memory().available)
+
+
+def _tokens(batch: Any) -> int:
+    """The token positions of one batch (`(B, S)` of its ids), 0 where it
+    cannot tell."""
+    if isinstance(batch, Mapping):
+        batch = batch.get("input_ids", batch.get("inputs_embeds"))
+    elif isinstance(batch, list | tuple):
+        batch = next((b for b in batch if isinstance(b, torch.Tensor)), None)
+    if not isinstance(batch, torch.Tensor) or batch.ndim == 0:
+        return 0
+    return int(batch.shape[0] * batch.shape[1]) if batch.ndim >= 2 else batch.numel()
+
+
+def activation_bytes(model: torch.nn.Module, batch: Any) -> int:
+    """An estimate of a whole-model pass's activations for `batch`: its
+    widest output (the largest `out_features` / `embedding_dim` / vocabulary:
+    a causal LM's logits) per token in float32, `_ACTIVATION_COPIES` times.
+    A decoder layer at a time, the modules after the layers (a head the
+    recipe ignores) do not run at all."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    widths = [vocab] if isinstance(vocab, int) else []
+    for module in model.modules():
+        for name in ("out_features", "embedding_dim"):
+            value = getattr(module, name, None)
+            if isinstance(value, int):
+                widths.append(value)
+    return _tokens(batch) * max(widths, default=0) * _FLOAT32 * _ACTIVATION_COPIES
+
+
+def _bytes(tensors: Iterable[torch.Tensor], device: torch.device | None) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if device is None or t.device == device
+    )
+
+
+def choose(
+    model: torch.nn.Module,
+    pipeline: str,
+    needs_data: bool,
+    *,
+    batch: Any = None,
+    device_memory: int | None = None,
+) -> str:
     """`"model"` or `"layer"`: how `calibrate(..., pipeline=...)` runs.
 
-    `"auto"` is `"layer"` for a model accelerate offloads (one that does
-    not fit its device) with decoder layers, else `"model"`. Without
-    observers that need data no batch runs: `"model"`.
+    `"auto"` is `"layer"` for a model with decoder layers that does not fit
+    its device, else `"model"`. A model does not fit when accelerate
+    offloads it, or when its parameters (and buffers) plus the activations
+    of its first batch (`activation_bytes`) exceed the memory it may take on its device
+    (`fits`): `device_memory` where given, else the device's free memory
+    (`free_memory`: CUDA's `mem_get_info`, the CPU's available RAM) plus the
+    bytes its tensors already take there (which the free memory counts as
+    used). Unmeasurable memory is taken to fit. Without observers that need
+    data no batch runs: `"model"`.
 
     Raises:
         ValueError: an unknown pipeline, or `"layer"` for a model with no
@@ -142,9 +237,20 @@ def choose(model: torch.nn.Module, pipeline: str, needs_data: bool) -> str:
             f"model's _no_split_modules), and {type(model).__name__} has none; "
             "use pipeline='model'"
         )
-    if pipeline == "auto":
-        return "layer" if layers is not None and is_offloaded(model) else "model"
-    return "layer"
+    if pipeline == "layer":
+        return "layer"
+    if layers is None:
+        return "model"
+    if is_offloaded(model):
+        return "layer"
+    device = offload.first_device(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    budget = device_memory
+    if budget is None:
+        free = free_memory(device)
+        budget = None if free is None else free + _bytes(tensors, device)
+    needed = _bytes(tensors, None)
+    return "model" if fits(needed, activation_bytes(model, batch), budget) else "layer"
 
 
 def check_propagate(propagate: str, entries: Iterable[Entry] = ()) -> None:

@@ -1,6 +1,13 @@
 """The calibrated model as compressed-tensors sees it: the copy that
 `save_compressed` compresses and `quantobs compare` evaluates.
 
+`compressed_tensors_view(model)` is the same without copying any tensor: a
+copy of the model's modules sharing every weight with the model (only the
+qparams are new), whose compressed-tensors forward fake-quantizes each
+weight as its module runs (the weight restored after, one module's
+quantized weight at a time, an offloaded one onloaded for its module only):
+what `quantobs.report.evaluate` runs, bit for bit the deep copy's outputs.
+
 `compressed_tensors_copy(model)` deep-copies a calibrated model (its
 observers and hooks stay on the original), applies the recipe's
 compressed-tensors config to the copy and copies the calibrated qparams into
@@ -38,6 +45,7 @@ from quantobs.calibration.attach import (
 )
 from quantobs.calibration.experts import copy_memo, keep_linear
 from quantobs.calibration.offload import (
+    held_tensors,
     hooks_unwrapped,
     read_tensor,
     write_parameter,
@@ -49,6 +57,7 @@ from quantobs.core.layout import BASE_NAMES
 __all__ = [
     "calibrated_qparams",
     "compressed_tensors_copy",
+    "compressed_tensors_view",
     "detached_copy",
     "quantize_in_place",
 ]
@@ -332,6 +341,42 @@ def compressed_tensors_copy(
     clone = detached_copy(model)
     quantize_in_place(clone, attachment, qparams, formats)
     return clone
+
+
+def compressed_tensors_view(
+    model: torch.nn.Module,
+    *,
+    qparams: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> torch.nn.Module:
+    """The calibrated `model` quantized by compressed-tensors, sharing its
+    tensors: a copy of its modules (no observers or hooks of ours, fused
+    experts as per-expert Linears viewing the fused weights) whose every
+    parameter, buffer and offloaded value is the model's own; only the
+    qparams compressed-tensors places are new (written where offloaded
+    modules keep their weights, in the view's own weights maps). Its forward
+    is compressed-tensors' fake quantization with each weight quantized as
+    its module runs (`forward_quantize` of the onloaded weight, restored
+    after), so that it never holds more than one module's quantized weight.
+
+    Never change its tensors in place: they are the model's. An offloaded
+    model's view may write files under `offload_folder/quantobs/`: call
+    `offload.release_written(view)` when done (or drop the view).
+
+    Raises:
+        RuntimeError: no observers attached, or the model is not calibrated.
+        ValueError: compressed-tensors resolves a module otherwise than the
+            recipe, or has no place for a calibrated qparam.
+    """
+    attachment = attachment_of(model)
+    if qparams is None:
+        qparams = calibrated_qparams(attachment)
+    memo = copy_memo(model)  # the fused experts modules left out
+    for tensor in (*model.parameters(), *model.buffers(), *held_tensors(model)):
+        memo[id(tensor)] = tensor
+    view = copy.deepcopy(model, memo)
+    detach(view)  # the experts' Linears stay, viewing the model's fused weights
+    quantize_in_place(view, attachment, qparams)
+    return view
 
 
 def detached_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -25,13 +25,17 @@ report, the held-out metrics of the quantized model against the unquantized
 one (`quantobs.report.evaluate`; defined in `quantobs compare --help`) and
 the checkpoint's path. `--pipeline layer` calibrates one decoder layer at
 a time (`quantobs.calibration.sequential`; the default, `auto`, does for a
-model accelerate offloads), with the same qparams. With `--distributed`
-(under `torchrun`),
+model that does not fit its device: offloaded, or its parameters and a
+batch's activations beyond the device's free memory), with the same
+qparams. With `--distributed` (under `torchrun`),
 each process batches and calibrates its contiguous share of the texts and the
 statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
 `--offload-folder` the model is loaded with accelerate's offloading
-(`quantobs.cli.offloading`); the checkpoint is written in place (the model
-is frozen after its evaluation) in files of at most `--max-shard-size`.
+(`quantobs.cli.offloading`); the evaluation quantizes one weight at a time
+(nothing copied), the checkpoint is written in place (the model is frozen
+after its evaluation) in files of at most `--max-shard-size`, and no file of
+quantobs is left under `--offload-folder` when the command ends (succeeding
+or not; `quantobs.calibration.offload.release_written`).
 """
 
 from __future__ import annotations
@@ -155,7 +159,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default="auto",
         help="run each batch through the whole model, or one decoder layer at "
         "a time (the hidden states cached between layers; same qparams); "
-        "auto: layer by layer when the model is offloaded (default: auto)",
+        "auto: layer by layer when the model does not fit its device (offloaded, "
+        "or its weights and a batch's activations beyond its free memory) "
+        "(default: auto)",
     )
     parser.add_argument(
         "--distributed",
@@ -219,13 +225,8 @@ def _check_format(options: argparse.Namespace, scheme: str) -> None:
 
 
 def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None:
-    from quantobs.calibration import (
-        attach,
-        calibrate,
-        text_batches,
-    )
+    from quantobs.calibration.offload import release_written
     from quantobs.data import calibration_texts, heldout_texts
-    from quantobs.report.evaluate import evaluate
 
     scheme = scheme_name(options.scheme)
     directory = model_dir(options.model)
@@ -243,6 +244,33 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
         calibration = _my_texts(calibration, group.rank, group.world)
     saved = None if options.resume is None else _read_resume(options.resume)
     model, tokenizer = load_model(directory, **loading)
+    try:
+        _calibrate_loaded(
+            options,
+            group,
+            (model, tokenizer),
+            (scheme, directory, calibration, held_out_texts),
+            (out, max_shard_size, saved),
+        )
+    finally:  # nothing of ours left under --offload-folder, whatever happened
+        release_written(model)
+
+
+def _calibrate_loaded(
+    options: argparse.Namespace,
+    group: TorchrunGroup | None,
+    loaded: tuple[Any, Any],
+    inputs: tuple[str, Path, list[str], list[str]],
+    outputs: tuple[Path, int, Any],
+) -> None:
+    """`_calibrate` once the model is loaded: attach, calibrate, evaluate,
+    write."""
+    from quantobs.calibration import attach, calibrate, text_batches
+    from quantobs.report.evaluate import evaluate
+
+    model, tokenizer = loaded
+    scheme, directory, calibration, held_out_texts = inputs
+    out, max_shard_size, saved = outputs
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)

@@ -142,7 +142,10 @@ class Observer(ObserverEngine, Registered):
 
     def begin_second_pass(self) -> None:
         """Called between the two passes (observers that declare
-        `Need.SECOND_PASS`); nothing for the others."""
+        `Need.SECOND_PASS`), the first pass's statistics combined across
+        processes by then: take from them what the second pass needs (the
+        loop then clears them on all processes but one); nothing for the
+        others."""
 
     @classmethod
     def get_class(cls, name: str) -> type[Observer]:

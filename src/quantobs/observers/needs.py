@@ -12,10 +12,18 @@ finds and never asks for an observer's class:
     INPUT_IMPORTANCE  `gathered()`: the engines its   syncs them after the
                       hooks fill during the batches   batches, then observes
                                                       the weight (`imatrix_mse`)
-    SECOND_PASS       `begin_second_pass()`           calls it after the
-                                                      batches, then runs them
-                                                      again (tokens not counted
-                                                      twice)
+    SECOND_PASS       `begin_second_pass()`           combines the first
+                                                      pass across processes,
+                                                      calls it, then runs the
+                                                      batches again (tokens not
+                                                      counted twice)
+
+A second pass starts from the first pass of every process: between the two,
+the loop syncs the observer's statistics (every process then holds the
+totals) and calls `begin_second_pass()`, which takes from them what the
+second pass needs; then every process but the one that keeps the totals
+clears its statistics (`clear_data`), so that the sync after the second pass
+counts each batch of the first once.
 """
 
 from __future__ import annotations

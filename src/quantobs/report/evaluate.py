@@ -1,9 +1,16 @@
 """Evaluate a calibrated model against the unquantized one on held-out text.
 
-The quantized model is compressed-tensors' fake-quantized copy of the
-calibrated model (`quantobs.calibration.simulate.compressed_tensors_copy`):
-weights and static inputs under our qparams, dynamic inputs computed on the
-fly, as an inference engine computes them from the checkpoint. What is
+The quantized model is compressed-tensors' fake-quantized view of the
+calibrated model (`quantobs.calibration.simulate.compressed_tensors_view`:
+its modules copied, its tensors shared, nothing copied): weights and static
+inputs under our qparams, dynamic inputs computed on the fly, as an
+inference engine computes them from the checkpoint. Each weight is
+fake-quantized as its module runs (compressed-tensors' forward: the
+onloaded weight quantized for that forward only), so that the evaluation
+holds no more than one module's quantized weight beyond the model, and a
+model accelerate offloads evaluates without being loaded whole; the results
+are those of a deep copy with every weight quantized beforehand, bit for
+bit. What is
 compared depends on the model's task (`quantobs.report.tasks`):
 
 - causal LMs: the model's own next-token distributions at every held-out
@@ -36,8 +43,8 @@ import torch
 
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.calibrate import to_model_device
-from quantobs.calibration.offload import is_offloaded, onloaded, write_parameter
-from quantobs.calibration.simulate import compressed_tensors_copy
+from quantobs.calibration.offload import onloaded, release_written
+from quantobs.calibration.simulate import compressed_tensors_view
 from quantobs.report.causal import (
     next_token_kl,
     next_token_positions,
@@ -223,13 +230,12 @@ def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return found
 
 
-def _quantize_weights(
+def _weight_sqnr(
     parts: list[tuple[str, torch.nn.Module, Any]],
 ) -> dict[str, float]:
-    """Fake-quantize each weight once, in place (compressed-tensors'
-    `forward_quantize`), and mark the module compressed so its forward does
-    not repeat it on every batch; returns `{layer: weight SQNR dB}`."""
-    from compressed_tensors.quantization import QuantizationStatus
+    """`{layer: weight SQNR dB}`: each weight fake-quantized as its forward
+    does (compressed-tensors' `forward_quantize`), one module at a time (an
+    offloaded one onloaded for it alone), nothing kept."""
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
     found = {}
@@ -240,14 +246,10 @@ def _quantize_weights(
             with onloaded(module):  # an offloaded module's, for this layer only
                 weight = _tensor(module, "weight")
                 fake = forward_quantize(module, weight, "weight", scheme.weights)
-            signal = float(weight.double().square().sum())
-            noise = float((weight.double() - fake.double()).square().sum())
+                signal = float(weight.double().square().sum())
+                noise = float((weight.double() - fake.double()).square().sum())
+            del fake
             found[name] = sqnr_db_from_energies(signal, noise)
-            if is_offloaded(module):
-                write_parameter(module, "weight", fake)
-            else:
-                weight.copy_(fake)
-            module.quantization_status = QuantizationStatus.COMPRESSED
     return found
 
 
@@ -298,17 +300,21 @@ def evaluate(model: torch.nn.Module, held_out: HeldOut) -> Evaluation:
         ValueError: the quantized model's embeddings or log-probabilities
             are not finite.
     """
-    quantized = compressed_tensors_copy(model)
-    parts = _quantized_parts(quantized)
-    weight_sqnr = _quantize_weights(parts)
-    energies = _InputEnergies(parts)
+    quantized = compressed_tensors_view(model)  # the model's tensors, shared
     try:
-        if held_out.task == CAUSAL_LM:
-            test, _ = next_token_logprobs(quantized, held_out.batches)
-        else:
-            test = embed(quantized, held_out.batches)
-    finally:
-        input_sqnr = energies.sqnr()
+        parts = _quantized_parts(quantized)
+        weight_sqnr = _weight_sqnr(parts)
+        energies = _InputEnergies(parts)
+        try:
+            if held_out.task == CAUSAL_LM:
+                test, _ = next_token_logprobs(quantized, held_out.batches)
+            else:
+                test = embed(quantized, held_out.batches)
+        finally:
+            input_sqnr = energies.sqnr()
+    finally:  # the view's qparams under offload_folder/quantobs
+        release_written(quantized)
+        del quantized
     if held_out.task == CAUSAL_LM:
         targets = held_out.targets
         if targets is None:  # pragma: no cover - HeldOut.of sets them
