@@ -7,6 +7,10 @@ and exported in place; its checkpoint, in files of at most
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +122,29 @@ def test_bad_offload_options_are_one_line(
     lines = [line for line in err.splitlines() if line.startswith("quantobs:")]
     assert len(lines) == 1 and message in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.slow  # torchrun with two processes, then one CLI run: ~30-60 s
+def test_two_offloaded_processes_write_the_one_process_checkpoint(
+    common: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--distributed --offload-folder`: each gloo process offloads under its
+    own `rank-N` folder, and process 0 writes the in-memory checkpoint."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    folder = tmp_path / "offload"
+    offload = ["--offload-folder", str(folder), "--max-memory", "cpu=200KB"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={port}", "-m", "quantobs", *common, *offload,
+         "--out", str(tmp_path / "two"), "--distributed"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["rank-0", "rank-1"]
+    assert not list(folder.glob("*/quantobs/*"))  # no file of ours left
+    assert main([*common, "--out", str(tmp_path / "one")]) == EXIT_OK
+    capsys.readouterr()
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")

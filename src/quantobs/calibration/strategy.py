@@ -24,6 +24,7 @@ import torch
 
 from quantobs.calibration import distributed as dist
 from quantobs.calibration.owners import broadcast_from_owners, owners_by_size
+from quantobs.calibration.transposed import linear_weight
 from quantobs.core.layout import qparam_shape
 from quantobs.observers.engine import ObserverEngine
 
@@ -124,7 +125,9 @@ class ProcessGroup(Strategy):
         return self._world
 
     def owners(self, groups: Sequence[Sequence[Entry]]) -> list[int]:
-        sizes = [sum(e.weight.numel() for e in g) for g in groups]
+        # the sizes from the parameters' shapes: an offloaded weight (a meta
+        # placeholder) is not loaded to be counted
+        sizes = [sum(_weight_numel(e) for e in g) for g in groups]
         return owners_by_size(sizes, self._world)
 
     def any(self, flag: bool) -> bool:
@@ -193,3 +196,9 @@ def strategy_for(sync: bool, process_group: Any = None) -> Strategy:
         RuntimeError: `sync` outside an initialized process group.
     """
     return ProcessGroup(process_group) if sync else Local()
+
+
+def _weight_numel(entry: Entry) -> int:
+    """The number of values of `entry`'s weight, read from its shape."""
+    found = linear_weight(entry.module)
+    return entry.weight.numel() if found is None else found.numel()

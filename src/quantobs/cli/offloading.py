@@ -14,6 +14,7 @@ by module (`quantobs.calibration.offload`, `quantobs.calibration.freeze`).
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,13 @@ def load_options(options: argparse.Namespace) -> dict[str, Any]:
     `--max-memory` (none without them).
 
     Raises:
-        UsageError: `--max-memory` without `--offload-folder`, a malformed
-            limit, or offloading with `--distributed`.
+        UsageError: `--max-memory` without `--offload-folder`, or a
+            malformed limit.
+
+    With `--distributed` each process offloads under its own
+    `rank-RANK` subfolder (torchrun's `RANK`): the processes load the model
+    alike and write their qparams under the offload folder, so one folder
+    each keeps them from reading each other's files.
     """
     folder: Path | None = options.offload_folder
     limits: list[str] | None = options.max_memory
@@ -83,13 +89,10 @@ def load_options(options: argparse.Namespace) -> dict[str, Any]:
                 "--max-memory needs --offload-folder (where the rest goes)"
             )
         return {}
-    if getattr(options, "distributed", False):
-        raise UsageError(
-            "--offload-folder with --distributed: each process would offload "
-            "the whole model; calibrate an offloaded model in one process"
-        )
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--offload-folder {folder} is not a directory")
+    if getattr(options, "distributed", False):
+        folder = folder / f"rank-{os.environ.get('RANK', '0')}"
     found: dict[str, Any] = {"device_map": "auto", "offload_folder": str(folder)}
     if limits:
         memory: dict[int | str, str] = {}
