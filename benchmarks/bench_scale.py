@@ -34,7 +34,9 @@ Ways: `memory` (the model loaded whole), `layer` (quantobs'
 `calibrate(..., pipeline="layer")`, skipped where this quantobs has no such
 pipeline), `offload` (transformers' `device_map`: the first half of the
 decoder layers in memory, the second half and `lm_head` on disk under
-`offload_folder`); `oneshot` / `oneshot-offload` for llm-compressor (skipped
+`offload_folder`), `disk` (every decoder layer and `lm_head` on disk: the
+layer-by-layer target, peak memory <= the embeddings + 2 layers + the cached
+activations); `oneshot` / `oneshot-offload` for llm-compressor (skipped
 when it is not installed, or with `--no-peers`).
 
 Targets (issue 23; benchmarks, not tests): in memory, peak RSS <= 1.2x the
@@ -92,7 +94,7 @@ SIZES: dict[str, dict[str, int]] = {
     },
 }
 SCHEMES = ("W4A16", "FP8", "NVFP4")
-WAYS = ("memory", "layer", "offload", "oneshot", "oneshot-offload")
+WAYS = ("memory", "layer", "offload", "disk", "oneshot", "oneshot-offload")
 
 
 # ------------------------------------------------------------------ parent
@@ -377,9 +379,9 @@ class _AnonPeak:
         return self.peak
 
 
-def _device_map(layers: int, device: Any) -> dict[str, Any]:
-    """The first half of the decoder layers (and the embeddings, the final
-    norm) on `device`, the second half and lm_head on disk."""
+def _device_map(layers: int, device: Any, on_disk: int) -> dict[str, Any]:
+    """The last `on_disk` decoder layers and lm_head on disk, the others
+    (and the embeddings, the final norm) on `device`."""
     found: dict[str, Any] = {
         "model.embed_tokens": device,
         "model.norm": device,
@@ -387,7 +389,7 @@ def _device_map(layers: int, device: Any) -> dict[str, Any]:
         "lm_head": "disk",
     }
     for index in range(layers):
-        found[f"model.layers.{index}"] = device if index < layers // 2 else "disk"
+        found[f"model.layers.{index}"] = device if index < layers - on_disk else "disk"
     return found
 
 
@@ -434,8 +436,10 @@ def child(job: dict[str, Any]) -> None:
     anon = _AnonPeak()
     anon_base = anon.peak
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
-    if job["way"].endswith("offload"):
-        kwargs["device_map"] = _device_map(job["layers"], device)
+    if job["way"].endswith(("offload", "disk")):
+        layers = job["layers"]
+        on_disk = layers if job["way"] == "disk" else layers - layers // 2
+        kwargs["device_map"] = _device_map(layers, device, on_disk)
         kwargs["offload_folder"] = job["offload"]
     elif cuda:
         kwargs["device_map"] = {"": 0}
