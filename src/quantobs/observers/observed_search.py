@@ -100,9 +100,12 @@ def observed_grid_search(
         )
     scoring = search_args(args)  # NVFP4: unrounded group scales
     dims = (0, x_flat.ndim - 1)
-    # (*Q,) observed range in the observed dtype (times expand, rounded)
-    min_vals = torch.amin(x_flat, dim=dims) * expand
-    max_vals = torch.amax(x_flat, dim=dims) * expand
+    # (*Q,) observed range in the observed dtype (times expand, rounded);
+    # an `expand` past the dtype's max saturates (llm-compressor's becomes
+    # inf and its scales inf / NaN)
+    top = torch.finfo(dtype).max
+    min_vals = (torch.amin(x_flat, dim=dims) * expand).clamp_(-top, top)
+    max_vals = (torch.amax(x_flat, dim=dims) * expand).clamp_(-top, top)
     error_dtype = torch.float32 if imatrix else dtype
     best_error = torch.full(
         min_vals.shape, torch.finfo(error_dtype).max, dtype=error_dtype,
