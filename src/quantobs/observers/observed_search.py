@@ -30,13 +30,13 @@ from quantobs.core.qparams import calculate_qparams
 from quantobs.core.quantize import fake_quant_values
 from quantobs.core.scoring import search_args
 
-__all__ = ["OBSERVED_DTYPES", "observed_grid_search"]
+__all__ = ["OBSERVED_DTYPES", "candidate_qparams_in", "observed_grid_search"]
 
 #: dtypes whose arithmetic the search keeps (others: the float32 searches)
 OBSERVED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _candidate_qparams(
+def candidate_qparams_in(
     low: torch.Tensor, high: torch.Tensor, args: QuantizationArgs
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(*Q, 1)` scale and zero point (None: symmetric) of one candidate
@@ -121,7 +121,7 @@ def observed_grid_search(
     for i in range(steps):
         factor = 1 - i / grid
         low, high = min_vals * factor, max_vals * factor
-        scale, zero_point = _candidate_qparams(low, high, scoring)
+        scale, zero_point = candidate_qparams_in(low, high, scoring)
         # (N, *Q, G) in the observed dtype
         fake = fake_quant_values(x_flat, scale, zero_point, scoring.format)
         if imatrix:

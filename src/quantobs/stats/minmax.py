@@ -270,9 +270,7 @@ class MovingAverage(Statistic):
         if self.rounding is not None:  # kept in the statistic's dtype (exact)
             low, high = low.to(self.min_vals.dtype), high.to(self.min_vals.dtype)
         count = None if self.count is None else self.count + batch.num_observations
-        return MovingAverage(
-            low, high, count, self.constant, self.form, self.rounding
-        )
+        return MovingAverage(low, high, count, self.constant, self.form, self.rounding)
 
     def merge(self, other: MovingAverage) -> MovingAverage:
         """The count-weighted mean of the two averages.
