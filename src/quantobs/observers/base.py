@@ -71,13 +71,17 @@ class ObserverOptions(BaseModel):
     Attributes:
         nan_policy: `"raise"` (default) raises `ValueError` on NaN/inf input;
             `"omit"` ignores non-finite values.
-        arithmetic: `"observed"` (default) computes qparams as
-            compressed-tensors does on the observed dtype: bfloat16 / float16
-            values give NVFP4 global and group scales, and asymmetric scales
-            and zero points, rounded in it, equal to llm-compressor's;
-            `"float32"` computes them in float32 (see
-            `quantobs.core.qparams.compressed_tensors` for the measured
-            difference). float32 / float64 inputs give the same either way.
+        arithmetic: `"observed"` (default) computes as llm-compressor 0.14
+            does on bfloat16 / float16 values, in their dtype: NVFP4 global
+            and group scales, asymmetric scales and zero points, moving
+            averages of ranges, and the MSE / imatrix searches (candidates,
+            fake-quantized values, error sums; `observed_search`) round in
+            it, and scales are returned in it (float32 under NVFP4's global
+            scale), equal to llm-compressor's in dtype and bits;
+            `"float32"` computes on the float32 copy and returns float32
+            scales (docs/dtypes.md has the measured effect on the
+            quantization error). float32 / float64 inputs give the same
+            either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

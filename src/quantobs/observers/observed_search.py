@@ -11,7 +11,7 @@ computes its candidates the same way but sums the (importance-weighted)
 error in float32. The float32 searches (`quantobs.solvers.mse`,
 `quantobs.solvers.imatrix`) score the same candidates without those
 roundings; an observer's `arithmetic="float32"` option keeps them (see
-`docs/observers.md` for the measured effect on the quantization error).
+`docs/dtypes.md` for the measured effect on the quantization error).
 
 The functions here run torch's own operations on the same shapes and in the
 same order as llm-compressor, so their roundings, including the order of
