@@ -84,9 +84,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--cols", type=int, default=2048)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument(
-        "--observers", default="memoryless_minmax,memoryless_mse"
-    )
+    parser.add_argument("--observers", default="memoryless_minmax,memoryless_mse")
     opts = parser.parse_args()
     print(
         f"{'observer':18} {'format':15} {'dtype':9} {'mse observed':>13} "

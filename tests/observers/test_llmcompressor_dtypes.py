@@ -205,3 +205,26 @@ def test_moving_average_rounds_in_the_observed_dtype(dtype: torch.dtype) -> None
     assert torch.equal(high, expected.reshape(1))
     assert torch.equal(exact.get_range()[1], torch.tensor([3.0 * 0.99 + 7.0 * 0.01]))
     assert not torch.equal(high, exact.get_range()[1])
+
+
+def test_float16_error_sums_overflow_as_the_peers() -> None:
+    # float16 values whose int4 error sums pass 65504: llm-compressor's
+    # errors are all inf, no candidate improves and its search returns the
+    # min-max range; the default does the same, float32 arithmetic searches
+    args = WEIGHT_FORMATS["int4-g128"]
+    weight = _values((8, 256), 300.0, torch.float16, 0)
+    expected = LObserver.load_from_registry(
+        "memoryless_minmax", base_name="weight", args=CTArgs(**args)
+    )(weight).get_qparams()
+    theirs = LObserver.load_from_registry(
+        "memoryless_mse", base_name="weight", args=CTArgs(**args)
+    )(weight).get_qparams()
+    assert torch.equal(theirs["scale"], expected["scale"])
+    for arithmetic, searched in (("observed", False), ("float32", True)):
+        ours = Observer.load_from_registry(
+            "memoryless_mse", base_name="weight", args=QuantizationArgs(**args),
+            arithmetic=arithmetic,
+        )  # fmt: skip
+        ours.update(weight)
+        scale = ours.get_qparams()[0].to(torch.float16)
+        assert torch.equal(scale, expected["scale"]) is not searched
