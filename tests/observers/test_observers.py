@@ -449,14 +449,18 @@ def test_token_counting_rule() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(dtype: torch.dtype) -> None:
+    # arithmetic="float32": low-precision values searched as their float32
+    # copies (the default searches in their dtype, as llm-compressor:
+    # tests/observers/test_llmcompressor_dtypes.py)
     x = torch.randn(16, 64)
     for name in ("static_minmax", "memoryless_mse"):
         args = QuantizationArgs(num_bits=4, group_size=16)
-        low = _named(name, args=args)
+        low = _named(name, args=args, arithmetic="float32")
         low.update(x.to(dtype))
         full = _named(name, args=args)
         full.update(x.to(dtype).float())
         assert torch.equal(low.get_range()[0], full.get_range()[0])
+        assert low.get_qparams()[0].dtype == torch.float32
 
 
 def test_update_rejects_non_float() -> None:

@@ -98,7 +98,11 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from quantobs import native
 from quantobs.calibration.distributed import is_distributed, sync_observers
 from quantobs.core.args import QuantizationArgs
-from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
+from quantobs.core.qparams import (
+    amax_to_global_scale,
+    calculate_qparams,
+    in_observed_dtype,
+)
 from quantobs.core.registry import validate_options
 from quantobs.observers.base import Observer
 from quantobs.observers.engine import ObserverEngine
@@ -312,7 +316,8 @@ class QuantobsObserver(LCObserver):
 
         Returns:
             `{"scale": (*qparam_shape,), "zero_point": (*qparam_shape,),
-            "global_scale": (1,) or None}`, through compressed-tensors' rule.
+            "global_scale": (1,) or None}`, through compressed-tensors' rule;
+            the scale in llm-compressor's dtype (`Observer.get_qparams`).
 
         Raises:
             RuntimeError: nothing observed yet.
@@ -332,6 +337,8 @@ class QuantobsObserver(LCObserver):
             empty_as_zero=True,
             observed_dtype=self.core.arithmetic_dtype,
         )
+        # in the observed bfloat16 / float16, as llm-compressor's own scales
+        scale = in_observed_dtype(scale, self.core.rounding_dtype(), global_scale)
         self.delete_statistics()
         return {"scale": scale, "zero_point": zero_point, "global_scale": global_scale}
 

@@ -32,7 +32,11 @@ from quantobs.core.layout import (
     flatten_for_calibration,
     num_observations_of,
 )
-from quantobs.core.qparams import amax_to_global_scale, calculate_qparams
+from quantobs.core.qparams import (
+    amax_to_global_scale,
+    calculate_qparams,
+    in_observed_dtype,
+)
 from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.needs import Need
@@ -57,6 +61,9 @@ _DTYPES = {
 
 Arithmetic = Literal["observed", "float32"]
 
+#: observed dtypes whose arithmetic `arithmetic="observed"` keeps
+_ROUNDED = (torch.bfloat16, torch.float16)
+
 
 class ObserverOptions(BaseModel):
     """Options every observer takes (subclasses add their own).
@@ -64,13 +71,17 @@ class ObserverOptions(BaseModel):
     Attributes:
         nan_policy: `"raise"` (default) raises `ValueError` on NaN/inf input;
             `"omit"` ignores non-finite values.
-        arithmetic: `"observed"` (default) computes qparams as
-            compressed-tensors does on the observed dtype: bfloat16 / float16
-            values give NVFP4 global and group scales, and asymmetric scales
-            and zero points, rounded in it, equal to llm-compressor's;
-            `"float32"` computes them in float32 (see
-            `quantobs.core.qparams.compressed_tensors` for the measured
-            difference). float32 / float64 inputs give the same either way.
+        arithmetic: `"observed"` (default) computes as llm-compressor 0.14
+            does on bfloat16 / float16 values, in their dtype: NVFP4 global
+            and group scales, asymmetric scales and zero points, moving
+            averages of ranges, and the MSE / imatrix searches (candidates,
+            fake-quantized values, error sums; `observed_search`) round in
+            it, and scales are returned in it (float32 under NVFP4's global
+            scale), equal to llm-compressor's in dtype and bits;
+            `"float32"` computes on the float32 copy and returns float32
+            scales (docs/dtypes.md has the measured effect on the
+            quantization error). float32 / float64 inputs give the same
+            either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -129,6 +140,8 @@ class Observer(ObserverEngine, Registered):
         self._clear_counts()
         #: the widest floating dtype observed so far (None: nothing yet)
         self.observed_dtype: torch.dtype | None = None
+        #: the dtype of the batch being folded (None between batches)
+        self._folding: torch.dtype | None = None
 
     def has_reference(self) -> bool:
         """Whether the reference range is fixed (observers that declare
@@ -231,6 +244,19 @@ class Observer(ObserverEngine, Registered):
             return None
         return self.observed_dtype
 
+    def rounding_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype | None:
+        """The bfloat16 / float16 llm-compressor keeps this observer's
+        statistic and scales in (the dtype observed so far, promoted with
+        `dtype` or the batch being folded), under `arithmetic="observed"`;
+        None where that is float32 or wider, or under `"float32"`."""
+        if self.options.arithmetic == "float32":
+            return None
+        found = self.observed_dtype
+        for other in (dtype, self._folding):
+            if other is not None:
+                found = other if found is None else torch.promote_types(found, other)
+        return found if found in _ROUNDED else None
+
     # ---------------------------------------------------------------- counts
 
     def _clear_counts(self) -> None:
@@ -298,7 +324,14 @@ class Observer(ObserverEngine, Registered):
     def observe_flat(self, x_flat: torch.Tensor) -> None:
         """Fold a batch already in the canonical layout `(N, *Q, G)` in and
         count its observations (no tokens); an empty one is a no-op."""
-        if x_flat.numel() and self._observe(x_flat) is not None:
+        if not x_flat.numel():
+            return
+        self._folding = x_flat.dtype
+        try:
+            kept = self._observe(x_flat)
+        finally:
+            self._folding = None
+        if kept is not None:
             self._note_dtype(x_flat.dtype)
             self._count(None, x_flat.shape[0])
 
@@ -324,6 +357,17 @@ class Observer(ObserverEngine, Registered):
             )
         if observed.numel() == 0:
             return
+        self._folding = observed.dtype
+        try:
+            kept, n = self._fold_observed(observed)
+        finally:
+            self._folding = None
+        if kept is not None:  # None: skipped, no finite value (nan_policy="omit")
+            self._count(observed, n)
+
+    def _fold_observed(self, observed: torch.Tensor) -> tuple[Statistic | None, int]:
+        """`update`'s fold: the new statistic (None: skipped) and the
+        batch's observations."""
         if self.args.strategy == "block" and not self._needs_values():
             # Range-only statistics skip the block layout's copy.
             low, high = minmax_of(observed, self.base_name, self.args)
@@ -337,8 +381,7 @@ class Observer(ObserverEngine, Registered):
             x_flat = self.flatten(observed)
             kept = self._observe(x_flat)
             n = x_flat.shape[0]
-        if kept is not None:  # None: skipped, no finite value (nan_policy="omit")
-            self._count(observed, n)
+        return kept, n
 
     def _require(self) -> Statistic:
         """The statistic, after the checks `update` deferred (one host read
@@ -397,6 +440,10 @@ class Observer(ObserverEngine, Registered):
 
         For `tensor_group` the global scale is the module's
         `{base_name}_global_scale` when there is one, else `get_global_scale()`.
+
+        The scale is in the dtype llm-compressor returns it in: the observed
+        bfloat16 / float16 under `arithmetic="observed"` (float32 where a
+        float32 global scale multiplied it, as NVFP4's), else float32.
         """
         stat = self._require()
         checks = Checks()  # the rule's checks, read at once at the end
@@ -419,7 +466,8 @@ class Observer(ObserverEngine, Registered):
             checks=checks,
         )
         checks.raise_first()
-        return found
+        scale, zero_point = found
+        return in_observed_dtype(scale, self.rounding_dtype(), global_scale), zero_point
 
     def reset(self) -> None:
         """Forget every statistic and count."""

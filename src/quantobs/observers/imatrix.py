@@ -56,6 +56,7 @@ from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.importance import ImportanceObserver
 from quantobs.observers.mse import MemorylessMSEObserver, MSEOptions
 from quantobs.observers.needs import Need
+from quantobs.observers.observed_search import OBSERVED_DTYPES, observed_grid_search
 from quantobs.solvers.imatrix import imatrix_search, normalize_importance
 from quantobs.stats.base import Batch
 from quantobs.stats.importance import Importance
@@ -323,6 +324,14 @@ class IMatrixMSEObserver(Observer):
         if batch.x_flat is None:  # pragma: no cover - needs_values
             raise RuntimeError("imatrix observers score values; none were given")
         opts = self.options
+        if opts.arithmetic == "observed" and batch.x_flat.dtype in OBSERVED_DTYPES:
+            # llm-compressor's candidates and fake-quant in the observed dtype
+            low, high = observed_grid_search(
+                batch.x_flat, self.args, maxshrink=opts.maxshrink, grid=opts.grid,
+                norm=opts.norm, patience=opts.patience, expand=opts.expand,
+                imatrix=True, importance=self._weights(batch.x_flat),
+            )  # fmt: skip
+            return replace(batch, min_vals=low, max_vals=high, absmax=None)
         low, high = imatrix_search(
             batch.x_flat,
             self.args,

@@ -69,4 +69,8 @@ class MinMaxObserver(Observer):
     options: MovingAverageOptions
 
     def statistic_config(self) -> dict[str, Any]:
-        return {"constant": self.options.averaging_constant, "form": "blend"}
+        return {
+            "constant": self.options.averaging_constant,
+            "form": "blend",
+            "rounding": self.rounding_dtype(),
+        }

@@ -39,6 +39,7 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
 from quantobs.observers.base import Observer, ObserverOptions
 from quantobs.observers.needs import Need
+from quantobs.observers.observed_search import OBSERVED_DTYPES, observed_grid_search
 from quantobs.solvers.mse import mse_search
 from quantobs.solvers.mse_discrete import (
     ScaleSearch,
@@ -165,9 +166,28 @@ class _SearchingObserver(Observer):
         super().__init__(base_name, args, module, **observer_kwargs)
         check_search_options(self.options, self.args)
 
+    def _peer_search(self, x_flat: torch.Tensor) -> bool:
+        """Whether the batch is searched in its own bfloat16 / float16
+        arithmetic, as llm-compressor searches it (`arithmetic="observed"`
+        and llm-compressor's own search: the grid, unrounded scales)."""
+        opts = self.options
+        return (
+            opts.arithmetic == "observed"
+            and x_flat.dtype in OBSERVED_DTYPES
+            and opts.scale_search == "continuous"
+            and opts.search == "grid"
+            and not opts.independent_bounds
+            and not opts.round_scales
+        )
+
     def _search(self, x_flat: torch.Tensor, observed: Range) -> Range:
         """The batch's range under the options' search."""
         opts = self.options
+        if self._peer_search(x_flat):
+            return observed_grid_search(
+                x_flat, self.args, maxshrink=opts.maxshrink, grid=opts.grid,
+                norm=opts.norm, patience=opts.patience, expand=opts.expand,
+            )  # fmt: skip
         common: dict[str, Any] = {
             "maxshrink": opts.maxshrink,
             "norm": opts.norm,
@@ -225,7 +245,11 @@ class MovingAverageMSEObserver(_SearchingObserver):
     options: MovingAverageMSEOptions
 
     def statistic_config(self) -> dict[str, Any]:
-        return {"constant": self.options.averaging_constant, "form": "blend"}
+        return {
+            "constant": self.options.averaging_constant,
+            "form": "blend",
+            "rounding": self.rounding_dtype(),
+        }
 
 
 @Observer.register("static_mse")

@@ -219,6 +219,10 @@ class MovingAverage(Statistic):
             when the observer tracks it.
         constant: weight of the newest batch, in (0, 1] (config).
         form: `blend` or `step` (config, module table).
+        rounding: bfloat16 / float16: each step computed in that dtype, as
+            llm-compressor averages the ranges of values of that dtype (the
+            average stays a value of it); None: in the statistic's dtype
+            (config).
     """
 
     min_vals: torch.Tensor
@@ -226,6 +230,7 @@ class MovingAverage(Statistic):
     count: torch.Tensor | None = None
     constant: float = 0.01
     form: AverageForm = "blend"
+    rounding: torch.dtype | None = None
 
     fields: ClassVar[tuple[Field, ...]] = (
         Field("min_vals", Reduce.MEAN),
@@ -244,25 +249,28 @@ class MovingAverage(Statistic):
         form: AverageForm = "blend",
         counted: bool = True,
         dtype: torch.dtype = torch.float32,
+        rounding: torch.dtype | None = None,
     ) -> MovingAverage:
         """No data: `(+inf, -inf)` everywhere, count 0."""
         low, high = _empty_range(qparam_shape, device, dtype)
         count = torch.zeros((), dtype=torch.int64, device=device) if counted else None
-        return cls(low, high, count, constant, form)
+        return cls(low, high, count, constant, form, rounding)
 
     @property
     def qparam_shape(self) -> tuple[int, ...]:
         return tuple(self.min_vals.shape)
 
     def update(self, batch: Batch) -> MovingAverage:
-        low, high = lerp_ranges(
-            (self.min_vals, self.max_vals),
-            (batch.min_vals, batch.max_vals),
-            self.constant,
-            self.form,
-        )
+        old = (self.min_vals, self.max_vals)
+        new = (batch.min_vals, batch.max_vals)
+        if self.rounding is not None:  # (*Q,) ranges of values of `rounding`
+            old = (old[0].to(self.rounding), old[1].to(self.rounding))
+            new = (new[0].to(self.rounding), new[1].to(self.rounding))
+        low, high = lerp_ranges(old, new, self.constant, self.form)
+        if self.rounding is not None:  # kept in the statistic's dtype (exact)
+            low, high = low.to(self.min_vals.dtype), high.to(self.min_vals.dtype)
         count = None if self.count is None else self.count + batch.num_observations
-        return MovingAverage(low, high, count, self.constant, self.form)
+        return MovingAverage(low, high, count, self.constant, self.form, self.rounding)
 
     def merge(self, other: MovingAverage) -> MovingAverage:
         """The count-weighted mean of the two averages.
@@ -276,7 +284,9 @@ class MovingAverage(Statistic):
         counts = (self.count, other.count)
         low = weighted_mean((self.min_vals, other.min_vals), counts)
         high = weighted_mean((self.max_vals, other.max_vals), counts)
-        return MovingAverage(low, high, counts[0] + counts[1], self.constant, self.form)
+        return MovingAverage(
+            low, high, counts[0] + counts[1], self.constant, self.form, self.rounding
+        )
 
 
 @dataclass(frozen=True)

@@ -741,3 +741,96 @@ def test_pow2_bf16_zero_point_is_exact(q: SimpleNamespace) -> None:
     run((theirs, mine), [x])
     assert mine._calculate_qparams()[1].item() == 0
     assert theirs._calculate_qparams()[1].item() == -1  # Quark
+
+
+# ------------------------------------------------- bfloat16 / float16 inputs
+
+# Observers (beyond the min-max, MX and histogram-search tests above, which
+# take every input dtype) on bfloat16 / float16 / float32 batches: Quark's
+# qparams, dtypes and bits (issue 25). Quark computes in the input's dtype
+# where its code does (MX amax, BFP16 blocks, the power-of-two range),
+# float32 elsewhere; the face follows it except where that is a bug (below).
+LOW_PRECISION: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "histogram-pro-uint8-asym": (
+        "PerTensorHistogramObserverPro",
+        {"dtype": "uint8", "qscheme": "per_tensor", "symmetric": False, **INT_SPEC},
+        ("f32", "bf16", "f16"),
+    ),
+    "histogram-pro-int8-sym": (
+        "PerTensorHistogramObserverPro",
+        {"dtype": "int8", "qscheme": "per_tensor", "symmetric": True, **INT_SPEC},
+        ("f32", "bf16", "f16"),
+    ),
+    "percentile-int8-sym": (
+        "PerTensorPercentileObserver",
+        {"dtype": "int8", "qscheme": "per_tensor", "symmetric": True, **INT_SPEC},
+        ("f16",),  # f32 / bf16: test_symmetric_histogram_search_parity
+    ),
+    "mse-int8-sym": (
+        "PerTensorMSEObserver",
+        {"dtype": "int8", "qscheme": "per_tensor", "symmetric": True, **INT_SPEC},
+        ("f16",),
+    ),
+    # bfloat16: Quark floors a bfloat16 log2 (test_bfp_bf16_exponent_is_exact)
+    "bfp16": (
+        "PerBlockBFPObserver",
+        {"dtype": "bfp16", "ch_axis": -1, "group_size": 8},
+        ("f32", "f16"),
+    ),
+    # symmetric: Quark's bfloat16 zero point (test_pow2_bf16_zero_point_is_exact)
+    "pow2-tensor-asym": (
+        "PerTensorPowOf2MinMaxObserver",
+        {"dtype": "int8", "qscheme": "per_tensor", "symmetric": False, **INT_SPEC},
+        ("f32", "bf16", "f16"),
+    ),
+    "int4-group128-asym": (
+        "PerGroupMinMaxObserver",
+        {
+            "dtype": "int4",
+            "qscheme": "per_group",
+            "ch_axis": 1,
+            "group_size": 128,
+            "symmetric": False,
+            **INT_SPEC,
+        },
+        ("f32", "bf16", "f16"),
+    ),
+}
+LOW_PRECISION_CASES = [
+    pytest.param(case, x_dtype, id=f"{case}-{x_dtype}")
+    for case, (_, _, dtypes) in LOW_PRECISION.items()
+    for x_dtype in dtypes
+]
+
+
+@pytest.mark.filterwarnings(_QUARK_COPY_WARNING)
+@pytest.mark.filterwarnings("ignore:.*observer_cls will not take effect")
+@pytest.mark.parametrize("scenario", ["normal", "growing"])
+@pytest.mark.parametrize("case, x_dtype", LOW_PRECISION_CASES)
+def test_low_precision_parity(
+    q: SimpleNamespace, case: str, x_dtype: str, scenario: str
+) -> None:
+    name, spec, _ = LOW_PRECISION[case]
+    observers = pair(q, name, **spec)
+    xs = batches(scenario, INPUTS[x_dtype])
+    if case == "int4-group128-asym":
+        xs = [x.repeat(1, 4) for x in xs]  # 256 columns: two groups of 128
+    run(observers, xs)
+    assert_same(observers[0]._calculate_qparams(), observers[1]._calculate_qparams())
+
+
+@pytest.mark.filterwarnings(_QUARK_COPY_WARNING)
+def test_pow2_min_mse_per_channel_float16(q: SimpleNamespace) -> None:
+    # Quark's per-channel MinMSE raises on float16 batches (it writes a
+    # float32 scale into a float16 tensor); the face computes in float32,
+    # so a float16 batch gives the qparams of its float32 copy.
+    spec = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1, "symmetric": True}
+    x = batches("normal", torch.float16)[0]
+    theirs, mine = pair(q, "PerChannelPowOf2MinMSEObserver", **spec, **INT_SPEC)
+    with pytest.raises(RuntimeError, match="Half"):
+        theirs(x)
+        theirs._calculate_qparams()
+    _, copy = pair(q, "PerChannelPowOf2MinMSEObserver", **spec, **INT_SPEC)
+    run((mine,), [x])
+    run((copy,), [x.float()])
+    assert_same(copy._calculate_qparams(), mine._calculate_qparams())

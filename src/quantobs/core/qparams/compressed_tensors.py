@@ -90,6 +90,7 @@ __all__ = [
     "calculate_range",
     "check_global_scale",
     "generate_gparam",
+    "in_observed_dtype",
     "range_or_zero",
     "scale_to_storage",
     "storage_to_scale",
@@ -537,6 +538,29 @@ def _with_zero_point(
     if scale.ndim == 0:
         scale, zero_point = scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point
+
+
+def in_observed_dtype(
+    scale: torch.Tensor,
+    observed_dtype: torch.dtype | None,
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A scale of `calculate_qparams(..., observed_dtype=...)` in the dtype
+    compressed-tensors returns it in: the observed bfloat16 / float16,
+    promoted with the global scale's dtype where one multiplied it (NVFP4's
+    float32 global scale gives float32 scales); unchanged for other observed
+    dtypes (None: float32 arithmetic).
+
+    The cast is exact: the rule rounded the scale in that dtype already (a
+    `scale_dtype` such as FP8 e4m3, and MX's powers of two, are values of
+    it too, as compressed-tensors casts them back).
+    """
+    if observed_dtype not in _ROUNDED_DTYPES:
+        return scale
+    dtype = observed_dtype
+    if global_scale is not None:
+        dtype = torch.promote_types(dtype, global_scale.dtype)
+    return scale.to(dtype)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.layout import flatten_for_calibration, normalize_axis
 from quantobs.core.qparams import CompressedTensorsRule
 from quantobs.core.registry import Registered, Registry, validate_options
+from quantobs.observers.base import Arithmetic
 from quantobs.observers.engine import ObserverEngine
 from quantobs.stats.reduce import NanPolicy
 
@@ -42,11 +43,19 @@ class ObserverOptions(BaseModel):
             finite value is skipped; `get_qparams` of a first such batch
             raises); `"propagate"` lets them reach the ranges, whose qparams
             then raise `ValueError`.
+        arithmetic: `"observed"` (default) computes on bfloat16 / float16
+            inputs as the legacy code did, in their dtype: asymmetric scales
+            and zero points (compressed-tensors' rule), and the MSE search's
+            candidates, fake-quantized values and error sums, rounded in it;
+            `"float32"` computes them in float32 (the scales are returned in
+            the input's dtype either way). float32 / float64 inputs give the
+            same either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     nan_policy: NanPolicy = "raise"
+    arithmetic: Arithmetic = "observed"
 
 
 def _to_args(quantization_args: Any) -> QuantizationArgs:

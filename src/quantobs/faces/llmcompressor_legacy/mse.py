@@ -11,6 +11,7 @@ are averaged by `MovingAverage(form="step")`, also for a constant of 1.0
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from functools import partial
 
@@ -18,6 +19,7 @@ import torch
 from pydantic import Field, model_validator
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.quantize import fake_quant_values
 from quantobs.core.scoring import candidate_errors, search_args, shrink_factors
 from quantobs.faces.llmcompressor_legacy.base import (
     GROUPS_ID,
@@ -26,6 +28,7 @@ from quantobs.faces.llmcompressor_legacy.base import (
 )
 from quantobs.faces.llmcompressor_legacy.minmax import AveragingConstant
 from quantobs.faces.llmcompressor_legacy.ranges import RangeObserver, TensorRange
+from quantobs.observers.observed_search import OBSERVED_DTYPES, candidate_qparams_in
 from quantobs.stats.minmax import MovingAverage
 from quantobs.stats.reduce import Range
 
@@ -126,6 +129,8 @@ def legacy_mse_range(
         `(min_vals, max_vals)`, each `(*Q,)` float32 (float64 for float64
         ranges, whose ends may lie past float32's max); the first minimum wins.
     """
+    if options.arithmetic == "observed" and x_flat.dtype in OBSERVED_DTYPES:
+        return _observed_legacy_range(x_flat, args, options, per_group)
     factors = shrink_factors(options.maxshrink, options.grid, x_flat.device)
     min32, max32 = min_vals.float(), max_vals.float()
     errors = candidate_errors(
@@ -139,6 +144,57 @@ def legacy_mse_range(
         return min_vals * best64, max_vals * best64
     best = factors[index]
     return min32 * best, max32 * best
+
+
+def _observed_legacy_range(
+    x_flat: torch.Tensor,
+    args: QuantizationArgs,
+    options: MSEOptions,
+    per_group: bool,
+) -> Range:
+    """`legacy_mse_range` in the legacy loop's arithmetic on bfloat16 /
+    float16 values: candidates, their qparams, the fake-quantized values and
+    each error sum in `x_flat.dtype` (torch's operations, shapes and order),
+    the first of tied rounded errors kept. One deliberate difference: where
+    no candidate's error is below the dtype's maximum (errors that overflow
+    it), the range is the observed one, where the legacy loop returned its
+    placeholder `(1, 0)`.
+
+    Args:
+        x_flat: `(1, *Q, G)` finite bfloat16 / float16 values.
+        args, options, per_group: as `legacy_mse_range`.
+
+    Returns:
+        `(min_vals, max_vals)`, each `(*Q,)` float32.
+    """
+    dims = (0, x_flat.ndim - 1)
+    scoring = search_args(args)
+    top = torch.finfo(x_flat.dtype).max
+    min_vals, max_vals = torch.amin(x_flat, dim=dims), torch.amax(x_flat, dim=dims)
+    best_error = torch.full_like(min_vals, top)
+    best_min, best_max = min_vals.clone(), max_vals.clone()
+    per_group = per_group and min_vals.ndim >= 2
+    # one loop per group (the dims after the rows) or one per call
+    loops = min_vals.shape[1:] if per_group else ()
+    stale = torch.zeros(loops, dtype=torch.int64, device=x_flat.device)
+    # the legacy loop's early stop (patience 0 behaves as 1; None: never)
+    limit = math.inf if options.patience is None else max(options.patience, 1)
+    for i in range(int(options.maxshrink * options.grid)):
+        active = stale < limit  # the loops still running
+        if not bool(active.any()):
+            break
+        factor = 1 - i / options.grid
+        low, high = factor * min_vals, factor * max_vals
+        scale, zero_point = candidate_qparams_in(low, high, scoring)
+        fake = fake_quant_values(x_flat, scale, zero_point, scoring.format)
+        error = torch.sum((fake - x_flat).abs().pow(options.norm), dim=dims)
+        improved = (error < best_error) & active
+        best_error = torch.where(improved, error, best_error)
+        best_min = torch.where(improved, low, best_min)
+        best_max = torch.where(improved, high, best_max)
+        any_improved = improved.any(dim=0) if per_group else improved.any()
+        stale = torch.where(any_improved, 0, stale + 1)
+    return best_min.float(), best_max.float()
 
 
 @Observer.register("mse")

@@ -281,7 +281,10 @@ class RangeObserver(Observer, metaclass=ABCMeta):
     ) -> QParams:
         # x_flat: (1, *Q, G); the running range: (*Q,)
         min_vals, max_vals = self._range_for(tensor_id).observe(x_flat)
-        return self.rule(min_vals, max_vals, global_scale)
+        rule = self.rule
+        if self.options.arithmetic == "observed":  # the input dtype's rounding
+            rule = replace(rule, observed_dtype=min_vals.dtype)
+        return rule(min_vals, max_vals, global_scale)
 
     def reset(self) -> None:
         """Forget the cached qparams, the token count and every running range."""
