@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from quantobs.core.args import QuantizationArgs
+from quantobs.core.checks import Checks
 from quantobs.core.qparams import calculate_qparams
 from quantobs.core.quantize import fake_quant_values
 from quantobs.core.scoring import search_args
@@ -42,8 +43,10 @@ def candidate_qparams_in(
     """`(*Q, 1)` scale and zero point (None: symmetric) of one candidate
     range of `low.dtype`, in compressed-tensors' arithmetic on that dtype."""
     dtype = low.dtype
+    # the data's checks are its observer's (its NaN policy): not read here,
+    # so that nothing waits on the host
     scale, zero_point = calculate_qparams(
-        low.float(), high.float(), args, observed_dtype=dtype
+        low.float(), high.float(), args, observed_dtype=dtype, checks=Checks()
     )
     zp = None if args.symmetric else zero_point.unsqueeze(-1)
     return scale.to(dtype).unsqueeze(-1), zp
@@ -117,7 +120,11 @@ def observed_grid_search(
         steps = max(1, steps) + 1
         patience = patience or None  # 0: every candidate
     reference = x_flat.float() if imatrix else x_flat
-    stale = 0
+    # llm-compressor stops after `patience` candidates that improve no
+    # qparam; here every candidate is scored and those after the stop are
+    # masked out, so the choice is the same and nothing is read on the host
+    stale = torch.zeros((), dtype=torch.int64, device=x_flat.device)
+    stopped = torch.zeros((), dtype=torch.bool, device=x_flat.device)
     for i in range(steps):
         factor = 1 - i / grid
         low, high = min_vals * factor, max_vals * factor
@@ -131,14 +138,11 @@ def observed_grid_search(
             error = diff.sum(dim=dims)
         else:
             error = torch.sum((fake - reference).abs().pow(norm), dim=dims)
-        improved = error < best_error
-        if bool(improved.any()):
-            best_error[improved] = error[improved]
-            best_min[improved] = low[improved]
-            best_max[improved] = high[improved]
-            stale = 0
-            continue
-        stale += 1
-        if patience is not None and stale >= patience:
-            break
+        improved = (error < best_error) & ~stopped  # (*Q,)
+        best_error = torch.where(improved, error, best_error)
+        best_min = torch.where(improved, low, best_min)
+        best_max = torch.where(improved, high, best_max)
+        if patience is not None:
+            stale = torch.where(improved.any(), 0, stale + 1)
+            stopped = stopped | (stale >= patience)
     return best_min.float(), best_max.float()
