@@ -224,9 +224,13 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
         calibrate,
         text_batches,
     )
+    from quantobs.calibration.tempfiles import stamp
     from quantobs.data import calibration_texts, heldout_texts
     from quantobs.report.evaluate import evaluate
 
+    # the state file this run may replace: the one there now (another
+    # process's written meanwhile is kept)
+    state_seen = None if options.save_state is None else stamp(options.save_state)
     scheme = scheme_name(options.scheme)
     directory = model_dir(options.model)
     calibration = texts(options.data, calibration_texts(), "calibration")
@@ -256,6 +260,8 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     check_tied_head(model)
     if options.kv_cache_scheme is not None:
         check_attached(model, options.kv_cache_scheme)
+    if group is not None:
+        _check_same_recipe(model, group)
     if saved is not None:
         _apply_resume(model, saved, options.resume)
     held_out = _held_out(model, tokenizer, held_out_texts, options)
@@ -278,6 +284,11 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     except RuntimeError as error:
         raise UsageError(f"calibration failed: {error}") from None
     except ValueError as error:
+        if group is not None:  # the processes' observers differ
+            raise UsageError(
+                f"--distributed: {_one_line(error)}; give every process the same "
+                "model and options"
+            ) from None
         if options.resume is None:
             raise
         raise UsageError(
@@ -291,7 +302,7 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     if rank != 0:
         return
     if options.save_state is not None:
-        _write_state(model, options.save_state)
+        _write_state(model, options.save_state, state_seen)
     summary = evaluate(model, held_out).summary()  # before the export freezes it
     path = _write_checkpoint(model, out, directory, options.save_state, max_shard_size)
     print(report)
@@ -299,6 +310,25 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
+
+
+def _check_same_recipe(model: Any, group: TorchrunGroup) -> None:
+    """Every process attached the same recipe (the same options), checked
+    on every process alike before any long work."""
+    import torch.distributed as dist
+
+    from quantobs.calibration.attach import attachment_of
+
+    mine = attachment_of(model).recipe.to_json()
+    recipes: list[Any] = [None] * group.world
+    dist.all_gather_object(recipes, mine)
+    differ = [rank for rank, recipe in enumerate(recipes) if recipe != recipes[0]]
+    if differ:
+        raise UsageError(
+            f"--distributed: process(es) {differ} attached another recipe than "
+            "process 0 (different --scheme, observers, --ignore or "
+            "--kv-cache-scheme?); give every process the same options"
+        )
 
 
 def _my_texts(calibration: list[str], rank: int, world: int) -> list[str]:
@@ -388,14 +418,24 @@ def _write_failure(error: BaseException) -> str:
     return _one_line(error)
 
 
-def _write_state(model: Any, path: Path) -> None:
-    """`--save-state`: a failed write (full disk, no permission) is one line."""
+def _write_state(model: Any, path: Path, seen: Any) -> None:
+    """`--save-state`: replaces only the file that was there when the run
+    started (`seen`, a `tempfiles.stamp`); a failed write (full disk, no
+    permission), a busy or changed file is one line."""
     from safetensors import SafetensorError
 
     from quantobs.calibration import save_state
+    from quantobs.calibration.locking import DestinationBusy, DestinationChanged
 
     try:
-        save_state(model, path)
+        save_state(model, path, expected=seen)
+    except DestinationBusy as error:
+        raise UsageError(f"--save-state {error.strerror}") from None
+    except DestinationChanged as error:
+        raise UsageError(
+            f"--save-state {error}; nothing of this run is written: choose "
+            "another --save-state (and --out)"
+        ) from None
     except (OSError, SafetensorError) as error:
         raise UsageError(
             f"cannot write --save-state {path}: {_write_failure(error)}; free "
@@ -410,7 +450,7 @@ def _write_checkpoint(
     from safetensors import SafetensorError
 
     from quantobs.calibration.lifecycle import Calibration
-    from quantobs.calibration.tempfiles import DestinationBusy
+    from quantobs.calibration.locking import DestinationBusy
 
     try:
         with _experts_warnings():  # save_compressed, once frozen
