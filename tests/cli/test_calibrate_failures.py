@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -14,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from quantobs.cli import EXIT_OK, EXIT_USAGE, main
+from quantobs.cli import EXIT_OK, EXIT_USAGE, calibrate_cmd, main
+from tests.calibration.lock_worker import holding
 from tests.decoders import save_decoder
 
 TEXTS = [
@@ -238,13 +243,12 @@ def test_fewer_texts_than_processes_is_refused_before_the_model_loads(
 def test_an_out_locked_by_a_live_process_is_refused(
     setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    lock = tmp_path / ".out.lock"
-    lock.write_text(str(os.getppid()), encoding="ascii")
-    capsys.readouterr()
-    assert main(setup.argv(tmp_path / "out")) == EXIT_USAGE
     out = tmp_path / "out"
-    _one_line_error(capsys, f"--out {out} is being", os.getppid(), bars=True)
-    assert list(tmp_path.iterdir()) == [lock]
+    with holding(out) as holder:
+        capsys.readouterr()
+        assert main(setup.argv(out)) == EXIT_USAGE
+        _one_line_error(capsys, f"--out {out} is being", holder.pid, bars=True)
+        assert [p.name for p in tmp_path.iterdir()] == [".out.lock"]
 
 
 def test_an_out_written_meanwhile_is_refused_and_kept(
@@ -265,3 +269,97 @@ def test_an_out_written_meanwhile_is_refused_and_kept(
     _one_line_error(capsys, f"--out {out} was written meanwhile")
     assert list(tmp_path.iterdir()) == [out]
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+
+
+# ------------------------------------------------------------- --save-state
+
+
+def test_a_state_locked_by_a_live_process_is_refused(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state.safetensors"
+    with holding(state) as holder:
+        capsys.readouterr()
+        code = main(setup.argv(tmp_path / "out", "--save-state", str(state)))
+        assert code == EXIT_USAGE
+        _one_line_error(capsys, f"--save-state {state} is being", holder.pid)
+        assert [p.name for p in tmp_path.iterdir()] == [".state.safetensors.lock"]
+
+
+def test_a_state_another_run_wrote_meanwhile_is_kept(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runs with the same --save-state: the other one (a real process)
+    runs whole while this one loads its model; this one then refuses to
+    replace the state the other wrote, and writes nothing."""
+    state = tmp_path / "state.safetensors"
+    real_load = calibrate_cmd.load_model
+    theirs: list[bytes] = []
+
+    def another_run_first(*args: Any, **kwargs: Any) -> Any:
+        argv = setup.argv(tmp_path / "theirs", "--save-state", str(state))
+        done = subprocess.run(
+            [sys.executable, "-m", "quantobs", *argv],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == EXIT_OK, done.stderr[-3000:]
+        theirs.append(state.read_bytes())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_cmd, "load_model", another_run_first)
+    capsys.readouterr()
+    code = main(setup.argv(tmp_path / "mine", "--save-state", str(state)))
+    assert code == EXIT_USAGE
+    _one_line_error(capsys, f"--save-state {state} was written by another process")
+    assert state.read_bytes() == theirs[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.safetensors", "theirs"]
+
+
+# ----------------------------------------------------- --distributed, recipes
+
+
+@pytest.mark.slow
+def test_processes_given_different_recipes_exit_2(setup: Setup, tmp_path: Path) -> None:
+    """Two real processes of one gloo group (the environment torchrun sets),
+    given different schemes: both refuse with one line, before calibrating."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank, scheme in enumerate(["FP8", "W8A8"]):
+        argv = setup.argv(tmp_path / "out", "--distributed")
+        argv[argv.index("--scheme") + 1] = scheme
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "",
+        }  # fmt: skip
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "quantobs", *argv],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        results = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    for rank, (_, err) in zip(ranks, results, strict=True):
+        assert rank.returncode == EXIT_USAGE, err[-3000:]
+        # one error line, last (torchao's and torch's import-time warnings
+        # before it)
+        lines = err.strip().splitlines()
+        assert "Traceback" not in err, err
+        assert [line for line in lines if "quantobs:" in line] == lines[-1:], err
+        last = lines[-1]
+        assert last.startswith("quantobs: error: --distributed: process(es) [1]")
+        assert "same options" in last
+    assert not (tmp_path / "out").exists()
