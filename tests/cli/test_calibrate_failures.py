@@ -363,3 +363,44 @@ def test_processes_given_different_recipes_exit_2(setup: Setup, tmp_path: Path) 
         assert last.startswith("quantobs: error: --distributed: process(es) [1]")
         assert "same options" in last
     assert not (tmp_path / "out").exists()
+
+
+def test_resuming_and_saving_the_same_state_replaces_it(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(setup.state.read_bytes())
+    argv = setup.argv(tmp_path / "out", "--resume", str(state), "--save-state")
+    code = main([*argv, str(state)])
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert state.read_bytes() != setup.state.read_bytes()  # twice the tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "state.safetensors"]
+
+
+def test_the_leftovers_of_killed_runs_are_removed_by_the_next(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What killed runs leave beside --out and --save-state (temporary
+    entries named with their pid, lock files) goes; a live run's stays."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    dead, live = done.pid, os.getppid()
+    hex_ = "0123456789ab"
+    stale = [
+        f".out.partial-{dead}-{hex_}", f".out.old-{dead}-{hex_}",
+        f".state.safetensors.state-{dead}-{hex_}.tmp",
+    ]  # fmt: skip
+    kept = [name.replace(str(dead), str(live)) for name in stale]
+    for name in stale + kept:
+        if name.endswith(".tmp"):
+            (tmp_path / name).write_bytes(b"half a state")
+        else:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    for lock in (".out.lock", ".state.safetensors.lock"):
+        (tmp_path / lock).write_text(str(dead), encoding="ascii")
+    state = tmp_path / "state.safetensors"
+    code = main(setup.argv(tmp_path / "out", "--save-state", str(state)))
+    assert code == EXIT_OK, capsys.readouterr().err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["out", "state.safetensors", *kept])
