@@ -185,6 +185,17 @@ def _warn_inf(owner: str) -> None:
     )
 
 
+def _histc_omitted(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """`histc(x, bins, lo, hi)` of a batch whose omitted values
+    (`nan_policy="omit"`) are marked NaN. Over a one-value range
+    (`lo == hi`) `torch.histc` takes the range of the data itself, which
+    the NaN would make NaN: there it counts only the kept values (the same
+    counts: histc skips NaN)."""
+    if lo == hi:
+        x = x[~torch.isnan(x)]
+    return histc(x, bins, lo, hi)
+
+
 @dataclass(frozen=True)
 class TorchHistogram(Statistic):
     """torch.ao's per-tensor histogram (see the module docstring).
@@ -293,7 +304,7 @@ class TorchHistogram(Statistic):
             return self
         dtype = self.histogram.dtype
         if self.is_empty:
-            counts = histc(x, self.bins, float(x_min), float(x_max))
+            counts = _histc_omitted(x, self.bins, float(x_min), float(x_max))
             return self.replace(
                 histogram=counts.to(self.histogram.device, dtype),
                 min_vals=x_min.to(self.min_vals),
@@ -301,7 +312,7 @@ class TorchHistogram(Statistic):
             )
         new_min = torch.min(self.min_vals, x_min).detach()
         new_max = torch.max(self.max_vals, x_max).detach()
-        counts = histc(x, self.bins, float(new_min), float(new_max))
+        counts = _histc_omitted(x, self.bins, float(new_min), float(new_max))
         merged = combine_histograms(
             self.histogram,
             self.min_vals,

@@ -158,6 +158,9 @@ def _merged_growth(
     first = start - left * wide
     bins = math.ceil((max(stop, hi) - first) / wide)
     bins += first + bins * wide < max(stop, hi)
+    # the last old bin's group: past the bins above where float32 edges
+    # (uneven near its max) span less than `n * width`
+    bins = max(bins, left + (n - 1) // min(k, n) + 1)
     if first < -_F32_MAX or first + bins * wide > _F32_MAX:
         return None
     steps = torch.arange(bins + 1, dtype=torch.float64, device=counts.device)
