@@ -178,6 +178,7 @@ save_compressed(calibrated(), out, overwrite=True)
 """
 
 
+@pytest.mark.slow
 def test_the_leftovers_of_a_run_killed_at_the_rename_are_removed(
     tmp_path: Path,
 ) -> None:

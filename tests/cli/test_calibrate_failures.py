@@ -286,6 +286,7 @@ def test_a_state_locked_by_a_live_process_is_refused(
         assert [p.name for p in tmp_path.iterdir()] == [".state.safetensors.lock"]
 
 
+@pytest.mark.slow
 def test_a_state_another_run_wrote_meanwhile_is_kept(
     setup: Setup,
     tmp_path: Path,
