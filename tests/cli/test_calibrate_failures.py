@@ -4,7 +4,10 @@ write: exit 2, one line naming the file, nothing written. On a tiny Llama."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -405,3 +408,45 @@ def test_the_leftovers_of_killed_runs_are_removed_by_the_next(
     assert code == EXIT_OK, capsys.readouterr().err
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted(["out", "state.safetensors", *kept])
+
+
+# ------------------------------------------------------ a real failing write
+
+
+def _file_size_limit(limit: int) -> None:
+    """In the child: files may not grow past `limit` bytes (the kernel's
+    EFBIG, as a full disk's ENOSPC: a write that fails midway)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fails", ["--save-state", "--out"])
+def test_a_write_the_kernel_refuses_is_one_line(
+    setup: Setup, tmp_path: Path, fails: str
+) -> None:
+    """A real process whose writes past a size fail (RLIMIT_FSIZE): the state
+    file (small) or the checkpoint (larger) cannot be written. Exit 2, one
+    line naming the option and the reason, nothing half-written left."""
+    state_size = setup.state.stat().st_size
+    checkpoint_size = (
+        (setup.model.parent / "first" / "model.safetensors").stat().st_size
+    )
+    assert state_size < checkpoint_size
+    limit = state_size // 2 if fails == "--save-state" else state_size * 2
+    state, out = tmp_path / "state.safetensors", tmp_path / "out"
+    argv = setup.argv(out, "--save-state", str(state))
+    done = subprocess.run(
+        [sys.executable, "-m", "quantobs", *argv],
+        capture_output=True, text=True, timeout=300, check=False,
+        preexec_fn=functools.partial(_file_size_limit, limit),
+    )  # fmt: skip
+    assert done.returncode == EXIT_USAGE, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "quantobs:" in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    what = "the checkpoint --out" if fails == "--out" else "--save-state"
+    assert lines[0].startswith(f"quantobs: error: cannot write {what} "), lines[0]
+    assert "File too large" in lines[0], lines[0]
+    kept = ["state.safetensors"] if fails == "--out" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
