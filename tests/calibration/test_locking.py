@@ -193,3 +193,34 @@ def test_racers_for_a_stale_lock_exactly_one_wins(tmp_path: Path, mode: str) -> 
     winner = (tmp_path / "out").read_text(encoding="ascii")
     assert not pid_alive(int(winner))  # the winner's id, written under the lock
     assert not (tmp_path / ".out.lock").exists()
+
+
+def test_a_killed_breakers_file_does_not_block_the_fallback(
+    tmp_path: Path, dead_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fallback: a contender killed while removing a stale lock left
+    `.lock.break`; it is stale in turn, and the next writer gets the lock."""
+    monkeypatch.setattr(locking, "USE_FLOCK", False)
+    (tmp_path / ".out.lock").write_text(str(dead_pid), encoding="ascii")
+    (tmp_path / ".out.lock.break").write_text(str(dead_pid), encoding="ascii")
+    with exclusive(tmp_path / "out") as lock:
+        assert lock.read_text(encoding="ascii").split()[0] == str(os.getpid())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_breaker_keeps_the_stale_lock_until_it_is_done(
+    tmp_path: Path, dead_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fallback: while another live process holds `.lock.break`, the stale
+    lock is left to it: this writer is refused, nothing removed."""
+    monkeypatch.setattr(locking, "USE_FLOCK", False)
+    lock, breaker = tmp_path / ".out.lock", tmp_path / ".out.lock.break"
+    lock.write_text(str(dead_pid), encoding="ascii")
+    breaker.write_text(str(os.getppid()), encoding="ascii")
+    with (
+        pytest.raises(DestinationBusy, match="unknown process"),
+        exclusive(tmp_path / "out"),
+    ):
+        pytest.fail("the lock was taken while another process breaks it")
+    assert lock.read_text(encoding="ascii") == str(dead_pid)
+    assert breaker.exists()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -204,7 +205,7 @@ def _acquire(lock: Path, target: Path) -> int:
             if _holder_alive(token):
                 raise _busy(lock, target, token)
             _break_stale(lock, token)
-    raise _busy(lock, target, token)
+    raise _busy(lock, target, "")  # it kept changing: whose is unknown
 
 
 def _break_stale(lock: Path, token: str) -> None:
@@ -214,7 +215,9 @@ def _break_stale(lock: Path, token: str) -> None:
     try:
         handle = os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        if not _holder_alive(_read(breaker)):  # a breaker was killed
+        if _holder_alive(_read(breaker)):
+            time.sleep(0.001)  # another contender is at it: a few syscalls
+        else:  # a breaker was killed
             breaker.unlink(missing_ok=True)
         return
     try:

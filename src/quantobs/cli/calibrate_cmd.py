@@ -32,6 +32,12 @@ statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
 `--offload-folder` the model is loaded with accelerate's offloading
 (`quantobs.cli.offloading`); the checkpoint is written in place (the model
 is frozen after its evaluation) in files of at most `--max-shard-size`.
+
+Every failure is exit 2 and one `quantobs: error:` line naming the file or
+value and what to do. `--out` and `--save-state` are written under hidden
+names beside them and renamed into place holding their lock
+(`quantobs.calibration.locking`): a second run writing the same one is
+refused, not silently replaced, and what killed runs left there is removed.
 """
 
 from __future__ import annotations
@@ -140,7 +146,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="STATE",
-        help="save the observers' statistics after calibration (safetensors)",
+        help="save the observers' statistics after calibration (safetensors); "
+        "replaces the file there when the run started, never one another run "
+        "wrote meanwhile",
     )
     parser.add_argument(
         "--all-experts",
