@@ -4,9 +4,16 @@ write: exit 2, one line naming the file, nothing written. On a tiny Llama."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -14,7 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from quantobs.cli import EXIT_OK, EXIT_USAGE, main
+from quantobs.cli import EXIT_OK, EXIT_USAGE, calibrate_cmd, main
+from tests.calibration.lock_worker import holding
 from tests.decoders import save_decoder
 
 TEXTS = [
@@ -238,13 +246,12 @@ def test_fewer_texts_than_processes_is_refused_before_the_model_loads(
 def test_an_out_locked_by_a_live_process_is_refused(
     setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    lock = tmp_path / ".out.lock"
-    lock.write_text(str(os.getppid()), encoding="ascii")
-    capsys.readouterr()
-    assert main(setup.argv(tmp_path / "out")) == EXIT_USAGE
     out = tmp_path / "out"
-    _one_line_error(capsys, f"--out {out} is being", os.getppid(), bars=True)
-    assert list(tmp_path.iterdir()) == [lock]
+    with holding(out) as holder:
+        capsys.readouterr()
+        assert main(setup.argv(out)) == EXIT_USAGE
+        _one_line_error(capsys, f"--out {out} is being", holder.pid, bars=True)
+        assert [p.name for p in tmp_path.iterdir()] == [".out.lock"]
 
 
 def test_an_out_written_meanwhile_is_refused_and_kept(
@@ -265,3 +272,181 @@ def test_an_out_written_meanwhile_is_refused_and_kept(
     _one_line_error(capsys, f"--out {out} was written meanwhile")
     assert list(tmp_path.iterdir()) == [out]
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+
+
+# ------------------------------------------------------------- --save-state
+
+
+def test_a_state_locked_by_a_live_process_is_refused(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state.safetensors"
+    with holding(state) as holder:
+        capsys.readouterr()
+        code = main(setup.argv(tmp_path / "out", "--save-state", str(state)))
+        assert code == EXIT_USAGE
+        _one_line_error(capsys, f"--save-state {state} is being", holder.pid)
+        assert [p.name for p in tmp_path.iterdir()] == [".state.safetensors.lock"]
+
+
+@pytest.mark.slow
+def test_a_state_another_run_wrote_meanwhile_is_kept(
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runs with the same --save-state: the other one (a real process)
+    runs whole while this one loads its model; this one then refuses to
+    replace the state the other wrote, and writes nothing."""
+    state = tmp_path / "state.safetensors"
+    real_load = calibrate_cmd.load_model
+    theirs: list[bytes] = []
+
+    def another_run_first(*args: Any, **kwargs: Any) -> Any:
+        argv = setup.argv(tmp_path / "theirs", "--save-state", str(state))
+        done = subprocess.run(
+            [sys.executable, "-m", "quantobs", *argv],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == EXIT_OK, done.stderr[-3000:]
+        theirs.append(state.read_bytes())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_cmd, "load_model", another_run_first)
+    capsys.readouterr()
+    code = main(setup.argv(tmp_path / "mine", "--save-state", str(state)))
+    assert code == EXIT_USAGE
+    _one_line_error(capsys, f"--save-state {state} was written by another process")
+    assert state.read_bytes() == theirs[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.safetensors", "theirs"]
+
+
+# ----------------------------------------------------- --distributed, recipes
+
+
+@pytest.mark.slow
+def test_processes_given_different_recipes_exit_2(setup: Setup, tmp_path: Path) -> None:
+    """Two real processes of one gloo group (the environment torchrun sets),
+    given different schemes: both refuse with one line, before calibrating."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank, scheme in enumerate(["FP8", "W8A8"]):
+        argv = setup.argv(tmp_path / "out", "--distributed")
+        argv[argv.index("--scheme") + 1] = scheme
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "",
+        }  # fmt: skip
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "quantobs", *argv],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        results = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    for rank, (_, err) in zip(ranks, results, strict=True):
+        assert rank.returncode == EXIT_USAGE, err[-3000:]
+        # one error line, last (torchao's and torch's import-time warnings
+        # before it)
+        lines = err.strip().splitlines()
+        assert "Traceback" not in err, err
+        assert [line for line in lines if "quantobs:" in line] == lines[-1:], err
+        last = lines[-1]
+        assert last.startswith("quantobs: error: --distributed: process(es) [1]")
+        assert "same options" in last
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_and_saving_the_same_state_replaces_it(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(setup.state.read_bytes())
+    argv = setup.argv(tmp_path / "out", "--resume", str(state), "--save-state")
+    code = main([*argv, str(state)])
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert state.read_bytes() != setup.state.read_bytes()  # twice the tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "state.safetensors"]
+
+
+def test_the_leftovers_of_killed_runs_are_removed_by_the_next(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What killed runs leave beside --out and --save-state (temporary
+    entries named with their pid, lock files) goes; a live run's stays."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    dead, live = done.pid, os.getppid()
+    hex_ = "0123456789ab"
+    stale = [
+        f".out.partial-{dead}-{hex_}", f".out.old-{dead}-{hex_}",
+        f".state.safetensors.state-{dead}-{hex_}.tmp",
+    ]  # fmt: skip
+    kept = [name.replace(str(dead), str(live)) for name in stale]
+    for name in stale + kept:
+        if name.endswith(".tmp"):
+            (tmp_path / name).write_bytes(b"half a state")
+        else:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    for lock in (".out.lock", ".state.safetensors.lock"):
+        (tmp_path / lock).write_text(str(dead), encoding="ascii")
+    state = tmp_path / "state.safetensors"
+    code = main(setup.argv(tmp_path / "out", "--save-state", str(state)))
+    assert code == EXIT_OK, capsys.readouterr().err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["out", "state.safetensors", *kept])
+
+
+# ------------------------------------------------------ a real failing write
+
+
+def _file_size_limit(limit: int) -> None:
+    """In the child: files may not grow past `limit` bytes (the kernel's
+    EFBIG, as a full disk's ENOSPC: a write that fails midway)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fails", ["--save-state", "--out"])
+def test_a_write_the_kernel_refuses_is_one_line(
+    setup: Setup, tmp_path: Path, fails: str
+) -> None:
+    """A real process whose writes past a size fail (RLIMIT_FSIZE): the state
+    file (small) or the checkpoint (larger) cannot be written. Exit 2, one
+    line naming the option and the reason, nothing half-written left."""
+    state_size = setup.state.stat().st_size
+    checkpoint_size = (
+        (setup.model.parent / "first" / "model.safetensors").stat().st_size
+    )
+    assert state_size < checkpoint_size
+    limit = state_size // 2 if fails == "--save-state" else state_size * 2
+    state, out = tmp_path / "state.safetensors", tmp_path / "out"
+    argv = setup.argv(out, "--save-state", str(state))
+    done = subprocess.run(
+        [sys.executable, "-m", "quantobs", *argv],
+        capture_output=True, text=True, timeout=300, check=False,
+        preexec_fn=functools.partial(_file_size_limit, limit),
+    )  # fmt: skip
+    assert done.returncode == EXIT_USAGE, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "quantobs:" in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    what = "the checkpoint --out" if fails == "--out" else "--save-state"
+    assert lines[0].startswith(f"quantobs: error: cannot write {what} "), lines[0]
+    assert "File too large" in lines[0], lines[0]
+    kept = ["state.safetensors"] if fails == "--out" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept

@@ -47,10 +47,12 @@ asymmetric weights, static input scales), `save_compressed` warns with
 
 Nothing half-written is left behind: the checkpoint is written into a hidden
 temporary directory beside `out_dir` (`.NAME.partial-<pid>-*`), which is
-renamed into place once complete and removed on any failure; those a killed
-process left are removed by the next save to the same `out_dir`. The final
-check-and-rename holds the lock file `.NAME.lock` beside `out_dir`: a second
-writer of the same `out_dir` meanwhile is refused (`DestinationBusy`).
+renamed into place once complete and removed on any failure (an existing
+checkpoint replaced with `overwrite` is moved aside to `.NAME.old-<pid>-*`
+meanwhile); those a killed process left (`tempfiles.LEFTOVER_KINDS`) are
+removed by the next save to the same `out_dir`. The final check-and-rename
+holds the lock of `out_dir` (`quantobs.calibration.locking`): a second writer
+of the same `out_dir` meanwhile is refused (`DestinationBusy`).
 
 In place, the export holds no second copy of the weights (each module's
 compressed tensors replace its weight; the shards are written from the
@@ -72,7 +74,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,11 +84,12 @@ import torch
 from quantobs.calibration.attach import attachment_of
 from quantobs.calibration.experts import ExpertsReloadWarning, reload_caveats
 from quantobs.calibration.freeze import freeze
+from quantobs.calibration.locking import exclusive
 from quantobs.calibration.offload import release_written
 from quantobs.calibration.recipe import Recipe
 from quantobs.calibration.shards import DEFAULT_SHARD_SIZE, shard_bytes, sorted_state
 from quantobs.calibration.simulate import calibrated_qparams, detached_copy
-from quantobs.calibration.tempfiles import exclusive, remove_stale, temp_path
+from quantobs.calibration.tempfiles import remove_leftovers, temp_path
 from quantobs.calibration.transposed import is_transposed
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.peer_versions import check_fp6, uses_fp6
@@ -318,7 +320,7 @@ def _temp_dir(out: Path) -> tuple[Path, list[Path]]:
     try:
         created = _make_parents(out.parent)
         # not mkdtemp: its mode 0o700 would stay the checkpoint's
-        remove_stale(out, "partial")
+        remove_leftovers(out)
         temp = temp_path(out, "partial")
         temp.mkdir()
     except OSError as err:
@@ -338,7 +340,7 @@ def _move_into_place(temp: Path, out: Path) -> None:
     if not out.exists():
         os.rename(temp, out)
         return
-    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    old = temp_path(out, "old")
     os.rename(out, old)
     try:
         os.rename(temp, out)

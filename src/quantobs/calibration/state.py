@@ -15,7 +15,10 @@ load on every process (the others keep only the shared settings, such as
 `static_mse`'s reference), then go on with `calibrate(..., sync=True)`.
 The file is written to a temporary name beside `path` (`.NAME.state-<pid>-*.tmp`)
 and renamed into place: never half-written; the temporary files of killed
-writers are removed by the next save to the same path.
+writers are removed by the next save to the same path. The rename holds the
+lock of `path` (`quantobs.calibration.locking`): while another live process
+holds it, `save_state` raises `DestinationBusy`; with `expected`, it also
+refuses to replace a file another process wrote since (`DestinationChanged`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from quantobs.calibration.attach import Attachment, Entry, attachment_of
-from quantobs.calibration.tempfiles import remove_stale, temp_path
+from quantobs.calibration.locking import DestinationChanged, exclusive
+from quantobs.calibration.tempfiles import (
+    FileStamp,
+    remove_leftovers,
+    stamp,
+    temp_path,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,18 +65,29 @@ def _safetensors() -> Any:
     return safetensors.torch
 
 
-def save_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
+def save_state(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    expected: FileStamp | Literal["any"] | None = "any",
+) -> Path:
     """Write every attached observer's state to one safetensors file.
 
     Args:
         model: a model with observers attached.
         path: the file to write (replaced atomically if it exists).
+        expected: `"any"` replaces whatever file is at `path`; otherwise
+            what `tempfiles.stamp(path)` gave when the caller started (None:
+            no file), and a file that differs now, written by another
+            process meanwhile, is kept and `DestinationChanged` raised.
 
     Returns:
         The path written.
 
     Raises:
         RuntimeError: no observers attached.
+        DestinationBusy: another live process is renaming its file to `path`.
+        DestinationChanged: the file at `path` is not the `expected` one.
         OSError: the directory is missing or not writable.
     """
     from quantobs import __version__
@@ -88,12 +108,18 @@ def save_state(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
         "entries": json.dumps(entries, sort_keys=True),
     }
     target = Path(path)
-    remove_stale(target, "state", ".tmp")
+    remove_leftovers(target)
     temp = temp_path(target, "state", ".tmp")
     os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     try:
         _safetensors().save_file(tensors, temp, metadata=header)
-        os.replace(temp, target)
+        with exclusive(target):
+            if expected != "any" and stamp(target) != expected:
+                raise DestinationChanged(
+                    f"{target} was written by another process while this one "
+                    "ran (that file is kept)"
+                )
+            os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise

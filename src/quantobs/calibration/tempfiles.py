@@ -5,30 +5,41 @@ process left behind.
 A writer of `dir/NAME` works in `dir/.NAME.<kind>-<pid>-<hex>` (plus a
 suffix, e.g. `.tmp`) and renames it into place. A SIGKILL leaves it there;
 `remove_stale(dir/NAME, kind)` removes every such entry whose pid is not a
-live process, and keeps those of live processes (a concurrent writer).
-`exclusive(dir/NAME)` holds the lock file `dir/.NAME.lock` (its holder's
-pid inside) around a writer's final check-and-rename, so two writers of one
-destination never silently replace each other.
+live process, and keeps those of live processes (a concurrent writer);
+`remove_leftovers(dir/NAME)` does so for every kind a writer leaves
+(`LEFTOVER_KINDS`). `stamp(path)` identifies the file at a path, so that a
+writer can tell whether another process replaced it meanwhile. The lock
+around a writer's final check-and-rename is `quantobs.calibration.locking`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "DestinationBusy",
-    "exclusive",
+    "LEFTOVER_KINDS",
+    "FileStamp",
     "pid_alive",
+    "remove_leftovers",
     "remove_stale",
+    "stamp",
+    "start_time",
     "temp_path",
 ]
+
+#: `(kind, suffix)` of every temporary entry a writer makes beside its
+#: destination: a state file being written, a checkpoint being written, the
+#: checkpoint it replaces while it renames.
+LEFTOVER_KINDS: tuple[tuple[str, str], ...] = (
+    ("state", ".tmp"),
+    ("partial", ""),
+    ("old", ""),
+)
 
 
 def temp_path(target: Path, kind: str, suffix: str = "") -> Path:
@@ -48,6 +59,21 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, from
+    `/proc/PID/stat`), or None where unknown (no such process, no `/proc`):
+    tells a process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
+            text = file.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses;
+    # the start time is field 22, the 20th after the comm
+    fields = text[text.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
 
 
 def _stale_pattern(target: Path, kind: str, suffix: str) -> re.Pattern[str]:
@@ -85,58 +111,34 @@ def remove_stale(target: Path, kind: str, suffix: str = "") -> list[Path]:
     return removed
 
 
-class DestinationBusy(FileExistsError):
-    """Another live process holds the lock of the destination."""
+def remove_leftovers(target: Path) -> list[Path]:
+    """Remove the temporary entries of every kind (`LEFTOVER_KINDS`) that
+    dead processes left beside `target` (`remove_stale`).
 
-
-@contextmanager
-def exclusive(target: Path) -> Iterator[Path]:
-    """Hold `.NAME.lock` beside `target` (created with `O_EXCL`, this
-    process's id inside) while the block runs; a lock whose process is dead
-    is removed first.
-
-    Yields:
-        The lock file.
-
-    Raises:
-        DestinationBusy: a live process (or one whose lock cannot be read)
-            holds it.
+    Returns:
+        The entries removed.
     """
-    lock = target.parent / f".{target.name}.lock"
-    _acquire(lock, target)
-    try:
-        yield lock
-    finally:
-        lock.unlink(missing_ok=True)
+    removed: list[Path] = []
+    for kind, suffix in LEFTOVER_KINDS:
+        removed += remove_stale(target, kind, suffix)
+    return removed
 
 
-def _holder(lock: Path) -> int | None:
-    """The process id in a lock file, or None where it cannot be read."""
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies the file at a path: its device, inode, size and
+    modification time (a replaced or rewritten file differs)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+def stamp(path: Path) -> FileStamp | None:
+    """The stamp of the file at `path`, or None when there is none."""
     try:
-        return int(lock.read_text(encoding="ascii").strip())
-    except (OSError, ValueError, UnicodeDecodeError):
+        info = os.stat(path)
+    except FileNotFoundError:
         return None
-
-
-def _acquire(lock: Path, target: Path) -> None:
-    holder: int | None = None
-    for _ in range(2):
-        try:
-            handle = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            holder = _holder(lock)
-            if holder is not None and not pid_alive(holder):
-                lock.unlink(missing_ok=True)  # left by a dead process
-                continue
-            break
-        with os.fdopen(handle, "w", encoding="ascii") as file:
-            file.write(str(os.getpid()))
-        return
-    who = "an unknown process" if holder is None else f"process {holder}"
-    raise DestinationBusy(
-        errno.EEXIST,
-        f"{target} is being written by {who} (lock {lock}); wait for it to "
-        "finish or choose another destination (remove the lock only if no "
-        "such process runs)",
-        str(lock),
-    )
+    return FileStamp(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)

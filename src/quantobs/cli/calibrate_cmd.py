@@ -36,6 +36,12 @@ statistics are synced (`calibrate(..., sync=True)`); process 0 writes. With
 after its evaluation) in files of at most `--max-shard-size`, and no file of
 quantobs is left under `--offload-folder` when the command ends (succeeding
 or not; `quantobs.calibration.offload.release_written`).
+
+Every failure is exit 2 and one `quantobs: error:` line naming the file or
+value and what to do. `--out` and `--save-state` are written under hidden
+names beside them and renamed into place holding their lock
+(`quantobs.calibration.locking`): a second run writing the same one is
+refused, not silently replaced, and what killed runs left there is removed.
 """
 
 from __future__ import annotations
@@ -144,7 +150,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="STATE",
-        help="save the observers' statistics after calibration (safetensors)",
+        help="save the observers' statistics after calibration (safetensors); "
+        "replaces the file there when the run started, never one another run "
+        "wrote meanwhile",
     )
     parser.add_argument(
         "--all-experts",
@@ -226,8 +234,12 @@ def _check_format(options: argparse.Namespace, scheme: str) -> None:
 
 def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None:
     from quantobs.calibration.offload import release_written
+    from quantobs.calibration.tempfiles import stamp
     from quantobs.data import calibration_texts, heldout_texts
 
+    # the state file this run may replace: the one there now (another
+    # process's written meanwhile is kept)
+    state_seen = None if options.save_state is None else stamp(options.save_state)
     scheme = scheme_name(options.scheme)
     directory = model_dir(options.model)
     calibration = texts(options.data, calibration_texts(), "calibration")
@@ -250,7 +262,7 @@ def _calibrate(options: argparse.Namespace, group: TorchrunGroup | None) -> None
             group,
             (model, tokenizer),
             (scheme, directory, calibration, held_out_texts),
-            (out, max_shard_size, saved),
+            (out, max_shard_size, saved, state_seen),
         )
     finally:  # nothing of ours left under --offload-folder, whatever happened
         release_written(model)
@@ -261,7 +273,7 @@ def _calibrate_loaded(
     group: TorchrunGroup | None,
     loaded: tuple[Any, Any],
     inputs: tuple[str, Path, list[str], list[str]],
-    outputs: tuple[Path, int, Any],
+    outputs: tuple[Path, int, Any, Any],
 ) -> None:
     """`_calibrate` once the model is loaded: attach, calibrate, evaluate,
     write."""
@@ -270,7 +282,7 @@ def _calibrate_loaded(
 
     model, tokenizer = loaded
     scheme, directory, calibration, held_out_texts = inputs
-    out, max_shard_size, saved = outputs
+    out, max_shard_size, saved, state_seen = outputs
     _refuse_transposed(model, directory)
     if group is not None and group.device is not None:
         model.to(group.device)
@@ -284,6 +296,8 @@ def _calibrate_loaded(
     check_tied_head(model)
     if options.kv_cache_scheme is not None:
         check_attached(model, options.kv_cache_scheme)
+    if group is not None:
+        _check_same_recipe(model, group)
     if saved is not None:
         _apply_resume(model, saved, options.resume)
     held_out = _held_out(model, tokenizer, held_out_texts, options)
@@ -306,6 +320,11 @@ def _calibrate_loaded(
     except RuntimeError as error:
         raise UsageError(f"calibration failed: {error}") from None
     except ValueError as error:
+        if group is not None:  # the processes' observers differ
+            raise UsageError(
+                f"--distributed: {_one_line(error)}; give every process the same "
+                "model and options"
+            ) from None
         if options.resume is None:
             raise
         raise UsageError(
@@ -319,7 +338,7 @@ def _calibrate_loaded(
     if rank != 0:
         return
     if options.save_state is not None:
-        _write_state(model, options.save_state)
+        _write_state(model, options.save_state, state_seen)
     summary = evaluate(model, held_out).summary()  # before the export freezes it
     path = _write_checkpoint(model, out, directory, options.save_state, max_shard_size)
     print(report)
@@ -327,6 +346,25 @@ def _calibrate_loaded(
     if options.save_state is not None:
         print(f"state       {options.save_state}")
     print(f"checkpoint  {path}")
+
+
+def _check_same_recipe(model: Any, group: TorchrunGroup) -> None:
+    """Every process attached the same recipe (the same options), checked
+    on every process alike before any long work."""
+    import torch.distributed as dist
+
+    from quantobs.calibration.attach import attachment_of
+
+    mine = attachment_of(model).recipe.to_json()
+    recipes: list[Any] = [None] * group.world
+    dist.all_gather_object(recipes, mine)
+    differ = [rank for rank, recipe in enumerate(recipes) if recipe != recipes[0]]
+    if differ:
+        raise UsageError(
+            f"--distributed: process(es) {differ} attached another recipe than "
+            "process 0 (different --scheme, observers, --ignore or "
+            "--kv-cache-scheme?); give every process the same options"
+        )
 
 
 def _my_texts(calibration: list[str], rank: int, world: int) -> list[str]:
@@ -416,14 +454,24 @@ def _write_failure(error: BaseException) -> str:
     return _one_line(error)
 
 
-def _write_state(model: Any, path: Path) -> None:
-    """`--save-state`: a failed write (full disk, no permission) is one line."""
+def _write_state(model: Any, path: Path, seen: Any) -> None:
+    """`--save-state`: replaces only the file that was there when the run
+    started (`seen`, a `tempfiles.stamp`); a failed write (full disk, no
+    permission), a busy or changed file is one line."""
     from safetensors import SafetensorError
 
     from quantobs.calibration import save_state
+    from quantobs.calibration.locking import DestinationBusy, DestinationChanged
 
     try:
-        save_state(model, path)
+        save_state(model, path, expected=seen)
+    except DestinationBusy as error:
+        raise UsageError(f"--save-state {error.strerror}") from None
+    except DestinationChanged as error:
+        raise UsageError(
+            f"--save-state {error}; nothing of this run is written: choose "
+            "another --save-state (and --out)"
+        ) from None
     except (OSError, SafetensorError) as error:
         raise UsageError(
             f"cannot write --save-state {path}: {_write_failure(error)}; free "
@@ -438,7 +486,7 @@ def _write_checkpoint(
     from safetensors import SafetensorError
 
     from quantobs.calibration.lifecycle import Calibration
-    from quantobs.calibration.tempfiles import DestinationBusy
+    from quantobs.calibration.locking import DestinationBusy
 
     try:
         with _experts_warnings():  # save_compressed, once frozen

@@ -185,6 +185,30 @@ def _warn_inf(owner: str) -> None:
     )
 
 
+def _histc_kept(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """`histc(x, bins, lo, hi)` of a batch whose omitted values
+    (`nan_policy="omit"`) are marked NaN.
+
+    Over a one-value range (`lo == hi`) `torch.histc` takes the range of the
+    data itself, which the NaN would make NaN: there only the kept values
+    are counted (histc skips NaN: the same counts). It then counts over
+    `[c - 1, c + 1]`, which float16 / bfloat16 cannot hold for some `c`
+    (torch raises "max must be larger than min" for bfloat16 from about
+    1e20, "cannot be converted to type c10::Half" at float16's +-max):
+    those are counted in float32 (one bin holds every value, as any range
+    around `c` gives).
+    """
+    if lo != hi:
+        return histc(x, bins, lo, hi)
+    x = x[~torch.isnan(x)]
+    try:
+        return histc(x, bins, lo, hi)
+    except RuntimeError:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            raise
+        return histc(x.float(), bins, lo, hi).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class TorchHistogram(Statistic):
     """torch.ao's per-tensor histogram (see the module docstring).
@@ -293,7 +317,7 @@ class TorchHistogram(Statistic):
             return self
         dtype = self.histogram.dtype
         if self.is_empty:
-            counts = histc(x, self.bins, float(x_min), float(x_max))
+            counts = _histc_kept(x, self.bins, float(x_min), float(x_max))
             return self.replace(
                 histogram=counts.to(self.histogram.device, dtype),
                 min_vals=x_min.to(self.min_vals),
@@ -301,7 +325,7 @@ class TorchHistogram(Statistic):
             )
         new_min = torch.min(self.min_vals, x_min).detach()
         new_max = torch.max(self.max_vals, x_max).detach()
-        counts = histc(x, self.bins, float(new_min), float(new_max))
+        counts = _histc_kept(x, self.bins, float(new_min), float(new_max))
         merged = combine_histograms(
             self.histogram,
             self.min_vals,

@@ -27,7 +27,8 @@ grows:
   grid that would pass float32's max is re-binned onto as many equal bins
   over the joint range instead, each old bin moving whole to the bin holding
   its centre (as `QuarkHistogram.align`; only for data within a bin width of
-  float32's max).
+  float32's max), as is one where Quark's growth would hold fewer bins than
+  the old grid (float32 edges near its max are uneven).
 
 On inputs whose grid stays within `max_bins` bins and float32's range (every
 ordinary calibration), counts and edges are `QuarkHistogram`'s.
@@ -116,10 +117,13 @@ def _count(
 
 def _quark_growth(
     counts: torch.Tensor, edges: torch.Tensor, lo: float, hi: float, width: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Quark's growth: whole bins of `width` on each side to cover `[lo, hi]`
     (the left side keeps the old edges and shifts the old counts; the right
-    side rebuilds the edges with Quark's `arange`)."""
+    side rebuilds the edges with Quark's `arange`). None where that `arange`
+    gives fewer bins than the old grid holds: float32 edges near its max are
+    uneven, and bins of the first one's width may span more than they do
+    (Quark: a negative size error)."""
     device = counts.device
     if lo < float(edges[0]):
         added = math.ceil((float(edges[0]) - lo) / width)
@@ -133,6 +137,8 @@ def _quark_growth(
         if float(edges[-1]) < hi:  # pragma: no cover - float rounding guard
             edges = torch.cat([edges, edges[-1:] + width])
         added = edges.numel() - 1 - counts.numel()
+        if added < 0:
+            return None
         counts = torch.cat([counts, counts.new_zeros(added)])
     return counts, edges
 
@@ -158,6 +164,9 @@ def _merged_growth(
     first = start - left * wide
     bins = math.ceil((max(stop, hi) - first) / wide)
     bins += first + bins * wide < max(stop, hi)
+    # the last old bin's group: past the bins above where float32 edges
+    # (uneven near its max) span less than `n * width`
+    bins = max(bins, left + (n - 1) // min(k, n) + 1)
     if first < -_F32_MAX or first + bins * wide > _F32_MAX:
         return None
     steps = torch.arange(bins + 1, dtype=torch.float64, device=counts.device)
@@ -196,7 +205,9 @@ def grow(
     right = max(0.0, hi - stop) / width
     fits = counts.numel() + left + right + 4 <= max_bins
     if fits and start - (left + 2) * width >= -_F32_MAX and hi + 2 * width <= _F32_MAX:
-        return _quark_growth(counts, edges, lo, hi, width)
+        grown = _quark_growth(counts, edges, lo, hi, width)
+        if grown is not None:
+            return grown
     merged = _merged_growth(counts, edges, lo, hi, width, max_bins)
     if merged is not None:
         return merged
