@@ -304,7 +304,8 @@ def test_one_layer_of_experts_is_loaded_at_a_time(
         handle.remove()
     assert probe.calls > 50
     assert probe.most_layers == 1
-    keys = [f"{layer}.mlp.experts.{n}" for layer in LAYERS for n in ("gate_up_proj", "down_proj")]
+    fused = ("gate_up_proj", "down_proj")
+    keys = [f"{layer}.mlp.experts.{n}" for layer in LAYERS for n in fused]
     assert observed == dict.fromkeys(keys, 1 + len(batches))
     assert probe.reads == dict.fromkeys(keys, 2 + len(batches))
     assert _files(out) == _files(expected)
