@@ -330,3 +330,32 @@ def test_detach_puts_the_offloaded_fused_experts_back(
     assert model.model.layers[1].mlp.experts is fused and is_offloaded(fused)
     assert not list((folder / WRITTEN_DIR).glob("*.experts.*"))
     torch.testing.assert_close(_logits(model, batch), before, rtol=0, atol=0)
+
+
+def test_an_offloaded_moe_evaluates_as_in_memory(
+    sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """compressed-tensors' copy and view of the offloaded calibrated model
+    (their experts' weights and qparams onloaded per forward) give the
+    in-memory model's logits, and `evaluate` its numbers, bit for bit."""
+    from quantobs.calibration.simulate import (
+        compressed_tensors_copy,
+        compressed_tensors_view,
+    )
+    from quantobs.report.evaluate import HeldOut, evaluate
+
+    source = sources["qwen3_moe"]
+    batch = _batches(source)[0]
+    found = []
+    for kind in (None, "disk"):
+        model = _load(source, kind, tmp_path / "offload")
+        held_out = HeldOut.of(model, [batch])
+        attach(model, _recipe("FP8"))
+        calibrate(model, _batches(source), progress=False)
+        copied = _logits(compressed_tensors_copy(model), batch)
+        viewed = _logits(compressed_tensors_view(model), batch)
+        found.append((copied, viewed, evaluate(model, held_out)))
+    (copied, viewed, expected), (copied_off, viewed_off, evaluated) = found
+    assert torch.equal(copied_off, copied) and torch.equal(viewed_off, viewed)
+    assert torch.equal(copied, viewed)
+    assert evaluated == expected
