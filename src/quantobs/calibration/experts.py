@@ -14,6 +14,24 @@ target them as they target any `Linear` (llm-compressor's linearized experts
 have the same names) and the ordinary hooks observe each expert's weight and
 the inputs of the tokens routed to it. `detach` puts the fused module back.
 
+**Offloaded experts.** Where accelerate offloads the fused module (a
+`device_map` sending its layer to `"cpu"` or `"disk"`: meta placeholders,
+the values in its `AlignDevicesHook`'s weights map), each per-expert Linear
+gets an offload hook of its own over the same weights loader, under its
+expert's name (`...experts.3.gate_proj.`), its weight a meta placeholder
+recorded as a slice of the fused tensor (`offload.offload_slices`): its
+qparams and compressed tensors are written where the fused weights live
+(the loader's CPU state dict, or files under `offload_folder/quantobs/`),
+as for any offloaded module. The fused tensors are read once, for one
+layer at a time, and each weight is a view of them while it is needed
+(`CalibrationExperts.onloaded`, `offload.onloaded_together`): for the
+block's forward, for the observation of the layer's weights
+(`loaded_together`), and at the export, which writes each expert's weight
+where the fused ones live and drops the fused tensors from that model's
+(or copy's) loader (`keep_linear`, `offload.own_slices`); the checkpoint is
+the in-memory model's, bit for bit. A weight read alone (`Entry.weight`)
+reads its fused tensor whole.
+
 Observers see real tokens only: of the batch `calibrate` runs, tokens that
 are padding (`quantobs.calibration.tokens`) go through the experts they are
 routed to without being observed, so the model's output is the same and no

@@ -19,6 +19,14 @@ drops a tensor from the module and from the weights map (the export frees
 each original weight of a CPU-offloaded module as its compressed tensors
 replace it).
 
+A module whose tensor is a part of another module's offloaded tensor (a
+per-expert Linear of fused MoE experts) holds a `Slice` of it and an
+offload hook of its own over the same weights loader (`offload_slices`):
+its new tensors go where the whole one lives, `onloaded_together` reads
+each whole tensor once for all its parts (views of it while the block
+runs), and `own_slices` writes the parts as the modules' own tensors and
+drops the whole ones (the export).
+
 **The files under `offload_folder/quantobs/`** belong to the weights loader
 that reads them (`_Written`), counted across its deep copies (a copy of an
 offloaded model reads the model's files until it writes its own): a file is
