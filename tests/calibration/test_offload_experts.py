@@ -314,7 +314,8 @@ def test_one_layer_of_experts_is_loaded_at_a_time(
 def test_detach_puts_the_offloaded_fused_experts_back(
     sources: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Detached, the offloaded model has its fused modules (and their
+    """Quantized propagation (which needs the weights in memory) is
+    refused; detached, the offloaded model has its fused modules (and their
     hooks) back, runs as before, and the experts' qparams leave the offload
     folder."""
     source = sources["mixtral"]
@@ -323,6 +324,10 @@ def test_detach_puts_the_offloaded_fused_experts_back(
     batch = _batches(source)[0]
     before = _logits(model, batch)
     fused = model.model.layers[1].mlp.experts
+    attach(model, Recipe.from_scheme("FP8", targets=[r"re:.*experts\.\d+\.w1$"]))
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight is offloaded"):
+        calibrate(model, _batches(source), pipeline="layer", propagate="quantized")
+    detach(model)
     attach(model, _recipe("FP8"))
     calibrate(model, _batches(source), progress=False)
     assert list((folder / WRITTEN_DIR).glob("*.experts.*"))
