@@ -379,13 +379,15 @@ class CalibrationExperts(torch.nn.Module):
         the offload hooks' weights maps)."""
         return is_offloaded(self.expert(0).linears()[0])
 
-    def onloaded(self) -> Any:
+    def onloaded(self, weights_only: bool = False) -> Any:
         """A context in which every expert's Linears hold their values (for
         offloaded experts: the fused tensors read once, each weight a view
-        of them, meta placeholders again after; as they are otherwise)."""
+        of them, and the Linears' own tensors, qparams, unless
+        `weights_only`; meta placeholders again after; as they are
+        otherwise)."""
         if not self.offloaded:
             return nullcontext()
-        return onloaded_together(self.linears())
+        return onloaded_together(self.linears(), slices_only=weights_only)
 
     def forward(
         self,
@@ -666,7 +668,7 @@ def loaded_together(
     for key, group in groups.items():
         module = model.get_submodule(key) if isinstance(key, str) else None
         if isinstance(module, CalibrationExperts):
-            yield module.onloaded(), group
+            yield module.onloaded(weights_only=True), group
         else:
             yield nullcontext(), group
 

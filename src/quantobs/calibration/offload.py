@@ -246,7 +246,7 @@ def own_slices(modules: Iterable[torch.nn.Module]) -> None:
     their CPU copy freed with the last part that views it)."""
     modules = [m for m in modules if _slices(m)]
     wholes = {part.key: part for m in modules for part in _slices(m).values()}
-    with onloaded_together(modules):
+    with onloaded_together(modules, slices_only=True):
         for module in modules:
             for name in list(_slices(module)):
                 write_parameter(module, name, _own_tensor(module, name))
@@ -264,10 +264,13 @@ def onloaded(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 @contextmanager
-def onloaded_together(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+def onloaded_together(
+    modules: Iterable[torch.nn.Module], *, slices_only: bool = False
+) -> Iterator[None]:
     """`onloaded` for several modules at once: the `Slice`s of one whole
     offloaded tensor (the experts of one fused MoE module) are views of it,
-    read once for all of them."""
+    read once for all of them; with `slices_only`, only those (e.g. the
+    experts' weights, not their qparams)."""
     wholes: dict[tuple[int, str], torch.Tensor] = {}
     loaded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
     try:
@@ -281,6 +284,8 @@ def onloaded_together(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
                     if tensor is None or not tensor.is_meta:
                         continue
                     part = parts.get(name)
+                    if part is None and slices_only:
+                        continue
                     if part is None:
                         value = read_tensor(module, name)
                     else:
