@@ -553,18 +553,3 @@ def test_an_offloaded_model_evaluates_one_weight_at_a_time(
     assert _written_files(folder) == files  # the view's qparams gone with it
     assert all(shared) and (len(shared) >= 8) == (kind == "cpu")
     assert found == expected
-
-
-def test_offloaded_fused_experts_are_refused_clearly(tmp_path: Path) -> None:
-    """MoE experts stored fused and offloaded by accelerate: their
-    per-expert Linears view meta placeholders no hook loads, so calibration
-    refuses them with a message that says what to do (load them in memory)."""
-    source = save_decoder("qwen3_moe", tmp_path / "source")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        source, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload")
-    )
-    assert is_offloaded(model.model.layers[1].mlp.experts)
-    attach(model, Recipe.from_scheme("W4A16", ignore=["lm_head"]))
-    batch = {"input_ids": torch.arange(32).reshape(2, 16)}
-    with pytest.raises(RuntimeError, match="offloaded MoE experts stored fused"):
-        calibrate(model, [batch], progress=False)

@@ -125,7 +125,9 @@ class Entry:
         """The module's weight as a Linear holds it, `(out_features,
         in_features)` (a transposed view for `Conv1D`; weight entries). An
         offloaded module's weight (accelerate, meta placeholder) is loaded
-        for the caller alone (`offload.read_tensor`): nothing stays loaded."""
+        for the caller alone (`offload.read_tensor`): nothing stays loaded
+        (an offloaded expert's reads its fused tensor whole: the loop reads
+        a layer's experts together, `experts.loaded_together`)."""
         found = linear_weight(self.module)
         if found is None:  # pragma: no cover - checked
             raise TypeError(f"{self.key}: the module has no weight tensor")

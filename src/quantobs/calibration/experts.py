@@ -14,6 +14,24 @@ target them as they target any `Linear` (llm-compressor's linearized experts
 have the same names) and the ordinary hooks observe each expert's weight and
 the inputs of the tokens routed to it. `detach` puts the fused module back.
 
+**Offloaded experts.** Where accelerate offloads the fused module (a
+`device_map` sending its layer to `"cpu"` or `"disk"`: meta placeholders,
+the values in its `AlignDevicesHook`'s weights map), each per-expert Linear
+gets an offload hook of its own over the same weights loader, under its
+expert's name (`...experts.3.gate_proj.`), its weight a meta placeholder
+recorded as a slice of the fused tensor (`offload.offload_slices`): its
+qparams and compressed tensors are written where the fused weights live
+(the loader's CPU state dict, or files under `offload_folder/quantobs/`),
+as for any offloaded module. The fused tensors are read once, for one
+layer at a time, and each weight is a view of them while it is needed
+(`CalibrationExperts.onloaded`, `offload.onloaded_together`): for the
+block's forward, for the observation of the layer's weights
+(`loaded_together`), and at the export, which writes each expert's weight
+where the fused ones live and drops the fused tensors from that model's
+(or copy's) loader (`keep_linear`, `offload.own_slices`); the checkpoint is
+the in-memory model's, bit for bit. A weight read alone (`Entry.weight`)
+reads its fused tensor whole.
+
 Observers see real tokens only: of the batch `calibrate` runs, tokens that
 are padding (`quantobs.calibration.tokens`) go through the experts they are
 routed to without being observed, so the model's output is the same and no
@@ -71,18 +89,25 @@ the swap in and out and the export copy's view of it belong together.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from quantobs.calibration.offload import (
+    is_offloaded,
+    offload_slices,
+    onloaded_together,
+    own_slices,
+    remove_parameter,
+)
 from quantobs.calibration.tokens import current_mask
 
 if TYPE_CHECKING:
-    from quantobs.calibration.attach import Attachment
+    from quantobs.calibration.attach import Attachment, Entry
 
 __all__ = [
     "CalibrationExperts",
@@ -93,6 +118,7 @@ __all__ = [
     "is_fused_experts",
     "keep_linear",
     "linearize",
+    "loaded_together",
     "observe_all_experts",
     "projection_names",
     "reload_caveats",
@@ -338,6 +364,31 @@ class CalibrationExperts(torch.nn.Module):
         assert isinstance(found, _Expert)
         return found
 
+    def linears(self) -> list[torch.nn.Linear]:
+        """Every expert's `(gate, up, down)`, expert by expert."""
+        return [
+            linear
+            for index in range(self.num_experts)
+            for linear in self.expert(index).linears()
+        ]
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether accelerate offloads the experts (their Linears hold meta
+        placeholders; the fused values, or their own once written, are in
+        the offload hooks' weights maps)."""
+        return is_offloaded(self.expert(0).linears()[0])
+
+    def onloaded(self, weights_only: bool = False) -> Any:
+        """A context in which every expert's Linears hold their values (for
+        offloaded experts: the fused tensors read once, each weight a view
+        of them, and the Linears' own tensors, qparams, unless
+        `weights_only`; meta placeholders again after; as they are
+        otherwise)."""
+        if not self.offloaded:
+            return nullcontext()
+        return onloaded_together(self.linears(), slices_only=weights_only)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -354,6 +405,15 @@ class CalibrationExperts(torch.nn.Module):
         Returns:
             `(T, H)`: the sum over each token's experts of weight * output.
         """
+        with self.onloaded():  # offloaded: this forward's only
+            return self._forward(hidden_states, top_k_index, top_k_weights)
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         real = _real_rows(tokens, hidden_states.device)  # (n,) or None: all
         calibrating = _ALL_EXPERTS.get()
@@ -492,12 +552,26 @@ def linearize(
                 "unquantized"
             )
         calibration = CalibrationExperts(module, names)
+        inter = int(calibration.expert(0).linears()[0].weight.shape[0])
+        parts = {
+            names[0]: ("gate_up_proj", slice(0, inter)),
+            names[1]: ("gate_up_proj", slice(inter, None)),
+            names[2]: ("down_proj", slice(None)),
+        }
         for index in range(calibration.num_experts):
             for projection in names:
                 tag = ExpertTag(name, index, projection)
                 linear = calibration.expert(index)._modules[projection]
                 assert linear is not None
                 linear.__dict__[_TAG] = tag
+                # offloaded: its weight read from the fused tensor's place
+                whole, rows = parts[projection]
+                offload_slices(
+                    linear,
+                    module,
+                    f"{index}.{projection}.",
+                    {"weight": (whole, (index, rows))},
+                )
         model.set_submodule(name, calibration)
         replaced.append(name)
     return replaced
@@ -534,6 +608,10 @@ def restore(model: torch.nn.Module, names: list[str]) -> None:
         module = model.get_submodule(name)
         fused = getattr(module, "fused", None)
         if isinstance(module, CalibrationExperts) and fused is not None:
+            if module.offloaded:  # their qparams leave the weights map too
+                for linear in module.linears():
+                    for tensor in [n for n in linear._parameters if n != "weight"]:
+                        remove_parameter(linear, tensor)
             # a model moved or cast while attached moved the views alone
             weight = module.expert(0).linears()[0].weight
             if fused.gate_up_proj.device != weight.device or (
@@ -550,6 +628,8 @@ def keep_linear(model: torch.nn.Module) -> None:
     for module in model.modules():
         if not isinstance(module, CalibrationExperts):
             continue
+        # offloaded: each weight written where the fused ones live
+        own_slices(module.linears())
         for linear in module.modules():
             if isinstance(linear, torch.nn.Linear) and linear.weight._base is not None:
                 linear.weight = torch.nn.Parameter(
@@ -571,6 +651,26 @@ def copy_memo(model: torch.nn.Module) -> dict[int, object]:
         if fused is not None:
             memo[id(fused)] = None
     return memo
+
+
+def loaded_together(
+    model: torch.nn.Module, entries: Iterable[Entry]
+) -> Iterator[tuple[Any, list[Entry]]]:
+    """`(context, entries)`: the entries of each experts module together,
+    with a context in which their offloaded weights are loaded (the fused
+    tensors read once for all of them, `CalibrationExperts.onloaded`); every
+    other entry alone, with a context that does nothing (its weight is read
+    as `Entry.weight` reads it)."""
+    groups: dict[object, list[Entry]] = {}
+    for entry in entries:
+        tag = expert_tag(entry.module)
+        groups.setdefault(tag.experts if tag else id(entry), []).append(entry)
+    for key, group in groups.items():
+        module = model.get_submodule(key) if isinstance(key, str) else None
+        if isinstance(module, CalibrationExperts):
+            yield module.onloaded(weights_only=True), group
+        else:
+            yield nullcontext(), group
 
 
 def routed_tokens(model: torch.nn.Module) -> dict[str, int]:

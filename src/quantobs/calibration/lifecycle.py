@@ -47,6 +47,7 @@ from quantobs.calibration.attach import (
     attachment_of,
 )
 from quantobs.calibration.experts import (
+    loaded_together,
     observe_all_experts,
     routed_tokens,
     uncounted,
@@ -409,10 +410,13 @@ class Calibration:
         for key, values in qparams.items():
             set_qparams(by_key[key], values)
 
-    @staticmethod
-    def _observe_weights(entries: Iterable[Entry]) -> None:
-        for entry in entries:
-            entry.observer.update(entry.weight.detach())
+    def _observe_weights(self, entries: Iterable[Entry]) -> None:
+        """Observe the entries' weights; those of one offloaded MoE experts
+        module with their fused tensors read once (`loaded_together`)."""
+        for loaded, group in loaded_together(self.model, entries):
+            with loaded:
+                for entry in group:
+                    entry.observer.update(entry.weight.detach())
 
     def _observe_model(self, batches: Iterable[Any], progress: bool | None) -> int:
         """The whole model as one segment."""

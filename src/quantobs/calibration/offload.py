@@ -19,6 +19,14 @@ drops a tensor from the module and from the weights map (the export frees
 each original weight of a CPU-offloaded module as its compressed tensors
 replace it).
 
+A module whose tensor is a part of another module's offloaded tensor (a
+per-expert Linear of fused MoE experts) holds a `Slice` of it and an
+offload hook of its own over the same weights loader (`offload_slices`):
+its new tensors go where the whole one lives, `onloaded_together` reads
+each whole tensor once for all its parts (views of it while the block
+runs), and `own_slices` writes the parts as the modules' own tensors and
+drops the whole ones (the export).
+
 **The files under `offload_folder/quantobs/`** belong to the weights loader
 that reads them (`_Written`), counted across its deep copies (a copy of an
 offloaded model reads the model's files until it writes its own): a file is
@@ -36,19 +44,24 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
+    "Slice",
     "first_device",
     "held_tensors",
     "hooks_unwrapped",
     "is_offloaded",
+    "offload_slices",
     "onloaded",
+    "onloaded_together",
+    "own_slices",
     "read_tensor",
     "release_written",
     "remove_parameter",
@@ -126,11 +139,21 @@ def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return found
 
 
+def _load(hook: Any, name: str, like: torch.Tensor) -> torch.Tensor:
+    """`name` of `hook`'s weights map on its execution device, in `like`'s
+    dtype where floating."""
+    value = hook.weights_map[name]
+    dtype = like.dtype if value.is_floating_point() else value.dtype
+    return value.to(device=_device(hook.execution_device), dtype=dtype)
+
+
 def read_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     """The value of `module`'s own parameter or buffer `name`: the tensor
     itself, or for an offloaded module (meta placeholder) its value loaded
     from the offload hook's `weights_map` onto the execution device (a new
-    tensor the caller holds alone: nothing stays loaded).
+    tensor the caller holds alone: nothing stays loaded). A `Slice` of
+    another offloaded tensor (an expert of fused MoE experts) reads that
+    tensor whole: read several with `onloaded_together`.
 
     Raises:
         AttributeError: no such tensor.
@@ -144,12 +167,91 @@ def read_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
         raise RuntimeError(
             f"{type(module).__name__}.{name} is on the meta device and no "
             "accelerate offload hook holds its value; load the model with "
-            "transformers' device_map / offload_folder (offloaded MoE experts "
-            "stored fused cannot be calibrated: load them in memory)"
+            "transformers' device_map / offload_folder"
         )
-    value = hook.weights_map[name]
-    dtype = tensor.dtype if value.is_floating_point() else value.dtype
-    return value.to(device=_device(hook.execution_device), dtype=dtype)
+    part = _slices(module).get(name)
+    if part is not None:
+        return _load(part.hook, part.name, tensor)[part.index].clone()
+    return _load(hook, name, tensor)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A module's tensor that is a part of another module's offloaded
+    tensor (an expert's weight in fused MoE experts): `hook`'s weights map
+    holds the whole `name`, the tensor is `whole[index]`."""
+
+    hook: Any
+    name: str
+    index: tuple[int | slice, ...]
+
+    @property
+    def key(self) -> str:
+        """The whole tensor's key in its weights loader."""
+        prefix, _ = _dataset(self.hook.weights_map)
+        return prefix + self.name
+
+
+#: Attribute of a module holding its `{tensor name: Slice}`.
+_SLICES_ATTR = "_quantobs_slices"
+
+
+def _slices(module: torch.nn.Module) -> dict[str, Slice]:
+    found = module.__dict__.get(_SLICES_ATTR)
+    return found if isinstance(found, dict) else {}
+
+
+def offload_slices(
+    module: torch.nn.Module,
+    source: torch.nn.Module,
+    prefix: str,
+    slices: Mapping[str, tuple[str, tuple[int | slice, ...]]],
+) -> None:
+    """Make `module`, whose tensors `slices` names are parts of offloaded
+    `source`'s tensors (`{name: (source's tensor name, index)}`; meta
+    placeholders in `module`), an offloaded module of its own: an accelerate
+    `AlignDevicesHook` over `source`'s weights loader, under `source`'s
+    prefix plus `prefix` (the module's name under `source`, with its dot),
+    so that the tensors written to it go where `source` keeps its weights.
+    The hook does not wrap the module's forward: whoever runs the module
+    onloads its tensors (`onloaded_together`). Nothing for a `source` in
+    memory."""
+    hook = _offload_hook(source)
+    if hook is None:
+        return
+    from accelerate.hooks import AlignDevicesHook
+    from accelerate.utils import PrefixedDataset
+
+    base, store = _dataset(hook.weights_map)
+    own = AlignDevicesHook(
+        execution_device=hook.execution_device,
+        offload=True,
+        weights_map=PrefixedDataset(store, base + prefix),
+        offload_buffers=hook.offload_buffers,
+        skip_keys=hook.skip_keys,
+        tied_params_map=hook.tied_params_map,
+    )
+    module.__dict__["_hf_hook"] = own
+    module.__dict__[_SLICES_ATTR] = {
+        name: Slice(hook, whole, tuple(index))
+        for name, (whole, index) in slices.items()
+    }
+
+
+def own_slices(modules: Iterable[torch.nn.Module]) -> None:
+    """Write each module's `Slice`s as its own tensors, where it keeps its
+    weights (`write_parameter`; the whole tensors read once, and in a
+    loader's CPU state dict each part a view of its whole), then remove
+    the whole tensors from their weights loaders (a model's or copy's own:
+    their CPU copy freed with the last part that views it)."""
+    modules = [m for m in modules if _slices(m)]
+    wholes = {part.key: part for m in modules for part in _slices(m).values()}
+    with onloaded_together(modules, slices_only=True):
+        for module in modules:
+            for name in list(_slices(module)):
+                write_parameter(module, name, _own_tensor(module, name))
+    for part in wholes.values():
+        _forget(_dataset(part.hook.weights_map)[1], part.key)
 
 
 @contextmanager
@@ -157,22 +259,46 @@ def onloaded(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """While the block runs, an offloaded module's own tensors hold their
     values (on its execution device); meta placeholders again after it
     (those the block replaced stay replaced). Other modules as they are."""
-    if _offload_hook(module) is None:
+    with onloaded_together([module]):
         yield module
-        return
+
+
+@contextmanager
+def onloaded_together(
+    modules: Iterable[torch.nn.Module], *, slices_only: bool = False
+) -> Iterator[None]:
+    """`onloaded` for several modules at once: the `Slice`s of one whole
+    offloaded tensor (the experts of one fused MoE module) are views of it,
+    read once for all of them; with `slices_only`, only those (e.g. the
+    experts' weights, not their qparams)."""
+    wholes: dict[tuple[int, str], torch.Tensor] = {}
     loaded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-    stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-    for store in stores:
-        for name, tensor in list(store.items()):
-            if tensor is None or not tensor.is_meta:
-                continue
-            value = read_tensor(module, name)
-            if isinstance(tensor, torch.nn.Parameter):
-                value = torch.nn.Parameter(value, requires_grad=False)
-            store[name] = value
-            loaded.append((store, name, tensor, value))
     try:
-        yield module
+        for module in modules:
+            if _offload_hook(module) is None:
+                continue
+            parts = _slices(module)
+            stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for store in stores:
+                for name, tensor in list(store.items()):
+                    if tensor is None or not tensor.is_meta:
+                        continue
+                    part = parts.get(name)
+                    if part is None and slices_only:
+                        continue
+                    if part is None:
+                        value = read_tensor(module, name)
+                    else:
+                        key = (id(part.hook), part.name)
+                        if key not in wholes:
+                            wholes[key] = _load(part.hook, part.name, tensor)
+                        value = wholes[key][part.index]
+                    if isinstance(tensor, torch.nn.Parameter):
+                        value = torch.nn.Parameter(value, requires_grad=False)
+                    store[name] = value
+                    loaded.append((store, name, tensor, value))
+        wholes.clear()  # held by their views only
+        yield
     finally:
         for store, name, meta, value in loaded:
             if store.get(name) is value:
@@ -190,8 +316,10 @@ def _dataset(weights_map: Any) -> tuple[str, Any]:
 
 def _on_disk(loader: Any, module: torch.nn.Module, prefix: str) -> bool:
     """Whether the loader keeps `module`'s weights in files (its index)
-    rather than in its CPU state dict."""
+    rather than in its CPU state dict (the whole tensors its `Slice`s are
+    parts of count as its weights)."""
     keys = [prefix + n for n, t in module._parameters.items() if t is not None]
+    keys += [part.key for part in _slices(module).values()]
     in_memory = any(k in loader.state_dict for k in keys)
     return not in_memory and loader.save_folder is not None
 
@@ -331,6 +459,7 @@ def write_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) ->
     value = tensor.detach()
     if hook is not None:
         _offload(module, hook, name, value)
+        _slices(module).pop(name, None)  # its own value now
         value = torch.empty_like(value, device="meta")
     else:
         value = value.to(device)
@@ -369,6 +498,7 @@ def remove_parameter(module: torch.nn.Module, name: str) -> None:
     hook = _offload_hook(module)
     delattr(module, name)
     if hook is not None:
+        _slices(module).pop(name, None)
         prefix, store = _dataset(hook.weights_map)
         _forget(store, prefix + name)
 

@@ -13,7 +13,8 @@ model that does not fit its device: see `choose`) runs:
    observers only) are cached with the batch's real-token mask, on the CPU
    when accelerate offloads the model (else where they are; tensors every
    layer shares are kept once).
-2. **Each layer** (onloaded by accelerate's hooks where it offloads it):
+2. **Each layer** (onloaded by accelerate's hooks where it offloads it; its
+   fused MoE experts by their `experts.CalibrationExperts`, once a forward):
    its weights observed, its references agreed across processes, every
    cached batch run through it with its observers' hooks (real tokens only,
    MoE experts, attention states and kv cache as in a whole-model pass),
