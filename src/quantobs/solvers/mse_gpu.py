@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,7 +50,16 @@ from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import candidate_qparams, score_with_torch
 from quantobs.solvers.mse_ties import first_best
 
-__all__ = ["best_shrink", "imatrix_choice", "settle_near_ties", "tie_columns"]
+if TYPE_CHECKING:  # imports Triton: at run time only where it runs
+    from quantobs.native import triton_shrink
+
+__all__ = [
+    "best_shrink",
+    "imatrix_choice",
+    "rescore_near",
+    "settle_near_ties",
+    "tie_columns",
+]
 
 _TOLERANCE = 2.0**-16  # mse_ties' tolerance
 _ALL_TIES = 256  # qparams re-scored whatever the share of near ones
@@ -113,6 +123,8 @@ def settle_near_ties(
     if num_c < 2 or k == 0:
         return errors
     near = _near(errors, repeats, tolerance)  # (Q,)
+    if near.numel() > 0:
+        return rescore_near(errors.clone(), near, rescore, values)
     device = errors.device
     order = torch.cumsum(near, dim=0) - 1  # rank of each near qparam
     # near qparam j goes to slot order[j] < k, every other to its own spare
@@ -131,6 +143,39 @@ def settle_near_ties(
     padded = torch.cat([errors, errors[:, :1]], dim=1)
     padded.index_copy_(1, target, torch.where(used, found, padded[:, target]))
     return padded[:, :num_q]
+
+
+def rescore_near(
+    errors: torch.Tensor,
+    near: torch.Tensor,
+    rescore: Callable[[torch.Tensor], torch.Tensor],
+    values: int = 1,
+) -> torch.Tensor:
+    """`errors`, in place, with the first `tie_columns(Q, values)` qparams
+    flagged `near` (in qparam order) scored by `rescore`.
+
+    Args:
+        errors: `(C, Q)` the kernel's errors of every candidate (written).
+        near: `(Q,)` int8 or bool: whether a comparison of the qparam is near.
+        rescore: `(K,)` int64 distinct qparam indices -> their `(C, K)`
+            errors (torch).
+        values: values per qparam (`tie_columns`).
+
+    Returns:
+        `errors`. Nothing is read on the host: a stable sort puts the near
+        qparams first (the rest follow in order, scored but not written).
+    """
+    num_c, num_q = errors.shape
+    k = tie_columns(num_q, values)
+    if num_c < 2 or k == 0:
+        return errors
+    if num_q > 1:  # one column of several rows would be summed in another order
+        k = max(k, 2)
+    flags, order = torch.sort(near.to(torch.int8), descending=True, stable=True)
+    index = order[:k]  # (k,) distinct: the near qparams first
+    found = rescore(index).to(errors.dtype)  # (C, k)
+    kept = torch.where(flags[:k] > 0, found, errors[:, index])
+    return errors.index_copy_(1, index, kept)
 
 
 def _candidates(
@@ -152,6 +197,21 @@ def _candidates(
     return scale, zero_point, repeats
 
 
+def _rule(
+    args: QuantizationArgs,
+    min_vals: torch.Tensor,
+    max_vals: torch.Tensor,
+    global_scale: torch.Tensor | None,
+) -> triton_shrink.Rule | None:
+    """The kernel's candidate rule for `args`, or None where the candidates
+    are made with torch (float64 ranges, scale dtypes it does not round)."""
+    from quantobs.native import triton_shrink  # imports Triton
+
+    if min_vals.dtype != torch.float32 or max_vals.dtype != torch.float32:
+        return None
+    return triton_shrink.Rule.of(args, global_scale)
+
+
 def best_shrink(
     x3: torch.Tensor,
     args: QuantizationArgs,
@@ -166,19 +226,40 @@ def best_shrink(
 ) -> torch.Tensor | None:
     """`quantobs.solvers.mse.best_shrink` on the GPU (same arguments and
     result), or None where the kernel does not apply."""
-    from quantobs.native import triton_mse  # imports Triton
+    from quantobs.native import triton_mse, triton_shrink  # imports Triton
 
     if not triton_mse.supported(args.format) or x3.dtype == torch.float64:
         return None
     fmt = args.format
     factors = factors.to(device=x3.device, dtype=torch.float32)
-    scale, zero_point, repeats = _candidates(
-        x3, args, min_vals, max_vals, factors, global_scale
-    )
     # torch's errors are float32 sums (float64 sums of float32 chunk sums
     # for qparams beyond a chunk, where the kernel's stay float64)
     values = x3.shape[0] * x3.shape[-1]
     wide = factors.numel() * values > chunk_elems
+    rule = _rule(args, min_vals, max_vals, global_scale)
+    found = None
+    if rule is not None:
+        found = triton_shrink.shrink_errors(
+            x3, rule, min_vals, max_vals, factors, norm, _tolerance(x3),
+            global_scale=global_scale,
+            dtype=torch.float64 if wide else torch.float32,
+        )  # fmt: skip
+    if rule is not None and found is not None:
+
+        def rescore_rule(index: torch.Tensor) -> torch.Tensor:
+            scale, zp = triton_shrink.candidate_qparams(
+                rule, min_vals, max_vals, factors, index, global_scale
+            )  # (C, k) each
+            return score_with_torch(
+                x3[:, index], scale, zp, fmt, norm, chunk_elems=chunk_elems
+            )
+
+        errors = rescore_near(found[0], found[1], rescore_rule, values)
+        return triton_shrink.choose(errors, patience, triton_shrink.FIRST_BEST, factors)
+    # candidates the kernel does not make: with torch, `(C, Q)`
+    scale, zero_point, repeats = _candidates(
+        x3, args, min_vals, max_vals, factors, global_scale
+    )
     errors = triton_mse.candidate_errors(
         x3, scale, zero_point, fmt, norm,
         dtype=torch.float64 if wide else torch.float32, exact=False,
@@ -209,13 +290,38 @@ def imatrix_choice(
 ) -> torch.Tensor | None:
     """`quantobs.solvers.imatrix.imatrix_choice` on the GPU (same arguments
     and result), or None where the kernel does not apply."""
-    from quantobs.native import triton_mse  # imports Triton
+    from quantobs.native import triton_mse, triton_shrink  # imports Triton
     from quantobs.solvers.imatrix import best_index, weighted_errors
 
     if not triton_mse.supported(args.format) or x3.dtype == torch.float64:
         return None
     fmt = args.format
     factors = factors.to(device=x3.device, dtype=torch.float32)
+    values = x3.shape[0] * x3.shape[-1]
+    rule = _rule(args, min_vals, max_vals, None)
+    found = None
+    if rule is not None:
+        found = triton_shrink.shrink_errors(
+            x3, rule, min_vals, max_vals, factors, norm, _tolerance(x3),
+            weights=weights, dtype=torch.float32,
+        )  # fmt: skip  (the reference compares float32 sums)
+    if rule is not None and found is not None:
+
+        def rescore_rule(index: torch.Tensor) -> torch.Tensor:
+            if weights is not None:
+                return weighted_errors(
+                    x3[:, index], args, min_vals[index], max_vals[index],
+                    factors, norm, weights[:, index], chunk_elems,
+                )  # fmt: skip
+            scale, zp = triton_shrink.candidate_qparams(
+                rule, min_vals, max_vals, factors, index
+            )
+            return score_with_torch(
+                x3[:, index], scale, zp, fmt, norm, chunk_elems=chunk_elems
+            ).to(torch.float32)
+
+        errors = rescore_near(found[0], found[1], rescore_rule, values)
+        return triton_shrink.choose(errors, patience, triton_shrink.BEST_INDEX)
     scale, zero_point, repeats = _candidates(
         x3, args, min_vals, max_vals, factors, None
     )
@@ -237,6 +343,5 @@ def imatrix_choice(
             weights[:, index], chunk_elems,
         )  # fmt: skip
 
-    values = x3.shape[0] * x3.shape[-1]
     errors = settle_near_ties(errors, repeats, _tolerance(x3), rescore, values)
     return best_index(errors, patience)
