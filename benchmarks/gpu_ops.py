@@ -38,11 +38,11 @@ import torch
 if not torch.cuda.is_available():  # before any Triton kernel is decorated
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from quantobs import Observer, QuantizationArgs, native  # noqa: E402
-from quantobs.core.syncs import SyncCounter, on_host  # noqa: E402
-from quantobs.native import dispatch  # noqa: E402
+from quantobs import Observer, QuantizationArgs, native
+from quantobs.core.syncs import SyncCounter, on_host
+from quantobs.native import dispatch
 
 NVFP4 = {
     "num_bits": 4,
@@ -202,9 +202,11 @@ class Count:
     top_ops: list[tuple[str, int]]
 
 
-def _weight(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _weight(
+    shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(SHAPE, generator=gen).to(dtype).to(device)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
 def count_case(
@@ -213,14 +215,16 @@ def count_case(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.bfloat16,
     label: str = "",
+    shape: tuple[int, int] = SHAPE,
 ) -> Count:
-    """Counts of one fresh observer `name` (args `kwargs`) on one weight."""
+    """Counts of one fresh observer `name` (args `kwargs`) on one `shape`
+    weight."""
     device = device or torch.device("cpu")
-    weight = _weight(device, dtype)
+    weight = _weight(shape, device, dtype)
     observer = Observer.get_class(name)("weight", QuantizationArgs(**kwargs))
     if hasattr(observer, "set_importance"):
         gen = torch.Generator().manual_seed(1)
-        observer.set_importance(torch.rand(SHAPE[1], generator=gen).to(device))
+        observer.set_importance(torch.rand(shape[1], generator=gen).to(device))
     routed = as_cuda() if device.type == "cpu" else contextlib.nullcontext()
     with routed:
         with SyncCounter() as syncs, counting() as update:
@@ -241,10 +245,11 @@ def count_case(
 def count_all(
     cases: dict[str, tuple[str, dict[str, Any]]] | None = None,
     device: torch.device | None = None,
+    shape: tuple[int, int] = SHAPE,
 ) -> list[Count]:
     """`count_case` of every case (issue 24's table by default)."""
     return [
-        count_case(name, kwargs, device, label=label)
+        count_case(name, kwargs, device, label=label, shape=shape)
         for label, (name, kwargs) in (cases or CASES).items()
     ]
 

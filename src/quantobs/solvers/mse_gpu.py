@@ -254,8 +254,10 @@ def best_shrink(
                 x3[:, index], scale, zp, fmt, norm, chunk_elems=chunk_elems
             )
 
-        errors = rescore_near(found[0], found[1], rescore_rule, values)
-        return triton_shrink.choose(errors, patience, triton_shrink.FIRST_BEST, factors)
+        settled = rescore_near(found[0], found[1], rescore_rule, values)
+        return triton_shrink.choose(
+            settled, patience, triton_shrink.FIRST_BEST, factors
+        )
     # candidates the kernel does not make: with torch, `(C, Q)`
     scale, zero_point, repeats = _candidates(
         x3, args, min_vals, max_vals, factors, global_scale
@@ -301,10 +303,11 @@ def imatrix_choice(
     rule = _rule(args, min_vals, max_vals, None)
     found = None
     if rule is not None:
+        # float32 errors: the reference compares float32 sums
         found = triton_shrink.shrink_errors(
             x3, rule, min_vals, max_vals, factors, norm, _tolerance(x3),
             weights=weights, dtype=torch.float32,
-        )  # fmt: skip  (the reference compares float32 sums)
+        )  # fmt: skip
     if rule is not None and found is not None:
 
         def rescore_rule(index: torch.Tensor) -> torch.Tensor:
@@ -320,8 +323,8 @@ def imatrix_choice(
                 x3[:, index], scale, zp, fmt, norm, chunk_elems=chunk_elems
             ).to(torch.float32)
 
-        errors = rescore_near(found[0], found[1], rescore_rule, values)
-        return triton_shrink.choose(errors, patience, triton_shrink.BEST_INDEX)
+        settled = rescore_near(found[0], found[1], rescore_rule, values)
+        return triton_shrink.choose(settled, patience, triton_shrink.BEST_INDEX)
     scale, zero_point, repeats = _candidates(
         x3, args, min_vals, max_vals, factors, None
     )

@@ -484,7 +484,7 @@ def test_candidates_made_on_chip_are_torchs(
     # dtype's largest saturate; factors down to 0)
     from quantobs.native import triton_shrink
 
-    x3, scoring, mins, maxs, gs = _shrink_setup(case, dtype, triton_device, expand)
+    _, scoring, mins, maxs, gs = _shrink_setup(case, dtype, triton_device, expand)
     factors = shrink_factors(1.0, 50.0).to(triton_device)
     rule = triton_shrink.Rule.of(scoring, gs)
     assert rule is not None
@@ -517,8 +517,8 @@ def test_errors_of_candidates_made_on_chip(
         dtype=torch.float64, exact=True,
     )  # fmt: skip
     assert found is not None
-    scale, zp = candidate_qparams(mins[None] * factors[:, None],
-                                  maxs[None] * factors[:, None], scoring, gs)  # fmt: skip
+    f = factors[:, None]
+    scale, zp = candidate_qparams(mins[None] * f, maxs[None] * f, scoring, gs)
     want = triton_mse.candidate_errors(x3, scale, zp, scoring.format, 2.4)
     assert want is not None and torch.equal(found[0], want)
     repeats = scale[1:] == scale[:-1]
