@@ -30,7 +30,7 @@ BUDGET: dict[str, tuple[int, int]] = {
     "memoryless_mse MXFP4": (108, 5),
     "memoryless_mse int8 channel": (99, 5),
     "memoryless_mse FP8 tensor": (101, 4),
-    "imatrix_mse int4 g128": (162, 4),
+    "imatrix_mse int4 g128": (136, 5),
     "nvfp4_expanded_mse": (120, 5),
 }
 

@@ -311,14 +311,14 @@ def imatrix_choice(
     if rule is not None and found is not None:
 
         def rescore_rule(index: torch.Tensor) -> torch.Tensor:
+            scale, zp = triton_shrink.candidate_qparams(
+                rule, min_vals, max_vals, factors, index
+            )  # (C, k) each
             if weights is not None:
                 return weighted_errors(
                     x3[:, index], args, min_vals[index], max_vals[index],
-                    factors, norm, weights[:, index], chunk_elems,
+                    factors, norm, weights[:, index], chunk_elems, (scale, zp),
                 )  # fmt: skip
-            scale, zp = triton_shrink.candidate_qparams(
-                rule, min_vals, max_vals, factors, index
-            )
             return score_with_torch(
                 x3[:, index], scale, zp, fmt, norm, chunk_elems=chunk_elems
             ).to(torch.float32)
