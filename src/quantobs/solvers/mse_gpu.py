@@ -5,11 +5,18 @@ decides the near ties, nothing is read on the host.
 `imatrix_choice` (`imatrix_mse`, `nvfp4_expanded_imatrix`) are the `"cuda"`
 implementations of the kernels of the same names in `quantobs.solvers.mse`
 and `quantobs.solvers.imatrix`: same arguments, same result as their torch
-references. Each computes the `(C, Q)` candidate qparams with torch
-(`candidate_qparams`, the qparams the search stores), scores all candidates
-in one pass (`quantobs.native.triton_mse`), settles the near ties
-(`settle_near_ties`) and takes llm-compressor's choice with its early stop
-on the device (`first_best`, `best_index`).
+references. Each runs, in a handful of launches and no `(C, Q)` torch
+work (`quantobs.native.triton_shrink`): one pass that makes every
+candidate's qparams on chip (`candidate_qparams`' float32 operations: its
+bits), scores them (`quantobs.native.triton_mse`'s arithmetic) and flags
+the qparams with a near comparison; the near ones scored again with torch
+(`rescore_near`: a stable sort puts them first, their candidates' qparams
+from the same kernel); llm-compressor's early stop and first minimum in two
+more launches (`triton_shrink.choose`: `first_best`, `best_index`). Where
+the kernel does not make the candidates (a `scale_dtype` other than
+float32 / FP8 e4m3, an asymmetric global scale, float64 ranges), they are
+made with torch as `(C, Q)` tensors and the same steps run in torch ops
+(`settle_near_ties`, `first_best`, `best_index`).
 
 Why the choice is the torch reference's: the kernel's errors are torch's to
 about 1e-6 relative (its sums and `pow` differ from torch's float32 sums and
@@ -33,9 +40,13 @@ observer, triton 3.6): memoryless_mse int4 g128 5-7 ms (torch path 135-150
 ms; llm-compressor 0.14: 6.6 ms), NVFP4 12.7 ms, MXFP4 8.8 ms, int8
 channel 4.6 ms, FP8 tensor 3.5 ms, imatrix_mse int4 g128 6.4 ms,
 nvfp4_expanded_mse 53.5 ms (llm-compressor: 37.6 ms). The Triton pass is
-1.0 ms of about 2.5 ms of GPU time for int4 g128: the rest is the `(C, Q)`
+1.0 ms of about 2.5 ms of GPU time for int4 g128: the rest was the `(C, Q)`
 torch work (candidate qparams, near ties, the early stop) and the host's
-launches of it.
+launches of it, before the candidates were made on chip. Counted on the CPU
+(`benchmarks/gpu_ops.py`, the same path under Triton's interpreter), one
+`update` of memoryless_mse int4 g128 dispatches 99 aten ops and 5 Triton
+launches (189 and 2 before), NVFP4 120 (210), imatrix_mse 136 (262); not
+yet timed on a GPU.
 """
 
 from __future__ import annotations
