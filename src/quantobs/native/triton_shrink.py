@@ -488,16 +488,17 @@ def candidate_qparams(
     device = min_vals.device
     lo, hi, f, gs = _prepared(min_vals, max_vals, factors, global_scale, device)
     num_c, k = f.numel(), index.numel()
-    out = torch.empty(2, num_c, k, dtype=torch.float32, device=device)
+    scale = torch.empty(num_c, k, dtype=torch.float32, device=device)
+    zp = torch.empty(num_c, k, dtype=torch.float32, device=device)
     rule_args, consts = _rule_launch_args(rule, global_scale)
     block = min(_CHOOSE_BLOCK, triton.next_power_of_2(max(k, 1)))
     if k:
         with gpu.interpreter_quiet():
             _qparams_kernel[(triton.cdiv(k, block),)](
-                lo, hi, f, gs, index, out[0], out[1], k, num_c, *rule_args,
+                lo, hi, f, gs, index, scale, zp, k, num_c, *rule_args,
                 **consts, BLOCK_K=block, enable_fp_fusion=False,
             )  # fmt: skip
-    return out[0], (out[1] if rule.kind == _ASYM else None)
+    return scale, (zp if rule.kind == _ASYM else None)
 
 
 @triton.jit
