@@ -62,7 +62,8 @@ MXFP4 = {
 }
 INT4_G128 = {"num_bits": 4, "strategy": "group", "group_size": 128}
 
-# label -> (observer, args kwargs): the cases of issue 24's GPU table
+# label -> (observer, args kwargs): the MSE cases of issue 24's GPU table,
+# and min-max for comparison
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "memoryless_mse int4 g128": ("memoryless_mse", INT4_G128),
     "memoryless_mse NVFP4": ("memoryless_mse", NVFP4),
@@ -74,6 +75,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "memoryless_mse FP8 tensor": ("memoryless_mse", {"num_bits": 8, "type": "float"}),
     "imatrix_mse int4 g128": ("imatrix_mse", INT4_G128),
     "nvfp4_expanded_mse": ("nvfp4_expanded_mse", NVFP4),
+    "memoryless_minmax int4 g128": ("memoryless_minmax", INT4_G128),
+    "memoryless_minmax NVFP4": ("memoryless_minmax", NVFP4),
 }
 SHAPE = (8, 256)  # rows, columns of the weight
 

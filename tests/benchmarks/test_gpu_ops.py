@@ -1,7 +1,8 @@
 """The host work of the GPU path per `update` (`benchmarks/gpu_ops.py`): a
-ratchet on the aten ops and Triton launches of one `update` of each MSE
-observer on the CUDA path (its `"cuda"` kernels, run on CPU tensors under
-Triton's interpreter), and no host sync there.
+ratchet on the aten ops and Triton launches of one `update` (and the ops of
+`get_qparams`) of each MSE observer, and of min-max, on the CUDA path (the
+`"cuda"` kernels, run on CPU tensors under Triton's interpreter), and no
+host sync in the update.
 
 Each small torch op is a kernel launch and a few microseconds of host time
 on a GPU; on an H200 they, not the Triton pass, were most of an MSE
@@ -34,6 +35,8 @@ BUDGET: dict[str, tuple[int, int, int]] = {
     "memoryless_mse FP8 tensor": (87, 4, 46),
     "imatrix_mse int4 g128": (124, 5, 46),
     "nvfp4_expanded_mse": (106, 5, 81),
+    "memoryless_minmax int4 g128": (21, 1, 46),
+    "memoryless_minmax NVFP4": (33, 1, 81),
 }
 
 
@@ -61,7 +64,8 @@ def test_ops_per_update_within_budget(gpu_ops: ModuleType, case: str) -> None:
     found = gpu_ops.count_case(name, kwargs, label=case, shape=(4, 128))
     most_ops, most_launches, most_qparams_ops = BUDGET[case]
     assert found.update_syncs == 0, found
-    assert found.update_launches >= 2, found  # the Triton path ran
+    # the Triton path ran: min-max, and the search for the MSE observers
+    assert found.update_launches >= (1 if name == "memoryless_minmax" else 4), found
     assert found.update_ops <= most_ops, (
         f"{case}: {found.update_ops} aten ops per update (budget {most_ops}); "
         f"most frequent: {found.top_ops}"

@@ -529,8 +529,9 @@ def _improved_kernel(err_ptr, imp_ptr, Q, C, MODE: tl.constexpr,
 
 
 @triton.jit
-def _choose_kernel(err_ptr, imp_ptr, f_ptr, out_ptr, Q, C, patience, stops,
-                   MODE: tl.constexpr, BLOCK_Q: tl.constexpr):  # fmt: skip
+def _choose_kernel(err_ptr, imp_ptr, f_ptr, out_ptr, Q, C, patience,
+                   STOPS: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK_Q: tl.constexpr):  # fmt: skip
     """How many candidates are scored before the early stop (from `imp`),
     then each qparam's first least error among them: the factor
     (FIRST_BEST) or the index (BEST_INDEX, 0 where none is below float32's
@@ -538,11 +539,12 @@ def _choose_kernel(err_ptr, imp_ptr, f_ptr, out_ptr, Q, C, patience, stops,
     # the stop: after `patience` candidates past the last improving one
     last = tl.zeros([1], dtype=tl.int32) - MODE  # BEST_INDEX: from -1
     scored = tl.zeros([1], dtype=tl.int32) + C
-    for i in range(C):
-        imp = tl.load(imp_ptr + i + tl.zeros([1], dtype=tl.int32))
-        last = tl.where(imp > 0, i, last)
-        stop = (stops > 0) & (i - last >= patience) & (imp == 0)
-        scored = tl.where(stop & (scored == C), i + 1, scored)
+    if STOPS:
+        for i in range(C):
+            imp = tl.load(imp_ptr + i + tl.zeros([1], dtype=tl.int32))
+            last = tl.where(imp > 0, i, last)
+            stop = (i - last >= patience) & (imp == 0)
+            scored = tl.where(stop & (scored == C), i + 1, scored)
     q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = q < Q
     best = tl.full([BLOCK_Q], float("inf"), tl.float64)
@@ -582,6 +584,7 @@ def choose(
             int64 indices).
         factors: `(C,)` float32 factors (FIRST_BEST).
     """
+    errors = errors.contiguous()
     num_c, num_q = errors.shape
     device = errors.device
     improved = torch.zeros(num_c, dtype=torch.int32, device=device)
@@ -601,6 +604,6 @@ def choose(
             _improved_kernel[grid](errors, improved, num_q, num_c, MODE=mode,
                                    BLOCK_Q=block)  # fmt: skip
         _choose_kernel[grid](errors, improved, f, out, num_q, num_c,
-                             int(patience or 0), int(stops), MODE=mode,
+                             int(patience or 0), STOPS=stops, MODE=mode,
                              BLOCK_Q=block)  # fmt: skip
     return out

@@ -44,8 +44,8 @@ nvfp4_expanded_mse 53.5 ms (llm-compressor: 37.6 ms). The Triton pass is
 torch work (candidate qparams, near ties, the early stop) and the host's
 launches of it, before the candidates were made on chip. Counted on the CPU
 (`benchmarks/gpu_ops.py`, the same path under Triton's interpreter), one
-`update` of memoryless_mse int4 g128 dispatches 99 aten ops and 5 Triton
-launches (189 and 2 before), NVFP4 120 (210), imatrix_mse 136 (262); not
+`update` of memoryless_mse int4 g128 dispatches 83 aten ops and 5 Triton
+launches (189 and 2 before), NVFP4 104 (210), imatrix_mse 125 (262); not
 yet timed on a GPU.
 """
 
