@@ -348,8 +348,9 @@ def test_near_ties_beyond_the_budget_keep_the_kernels_errors() -> None:
 def test_the_choice_reads_nothing_on_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Everything around the kernel (candidates, near ties, the early stop)
-    # runs without a host read; the kernel is stood in for by torch here.
+    # Candidates the kernel does not make (torch's `(C, Q)` tensors): what
+    # runs around the scoring (near ties, the early stop) makes no host
+    # read; the scoring kernel is stood in for by torch here.
     from quantobs.native import gpu
 
     if not gpu.triton_importable():
@@ -361,6 +362,7 @@ def test_the_choice_reads_nothing_on_the_host(
         return score_with_torch(x3, scale, zp, fmt, norm).to(dtype)
 
     monkeypatch.setattr(triton_mse, "candidate_errors", torch_errors)
+    monkeypatch.setattr(mse_gpu, "_rule", lambda *args: None)
     x3, scoring, mins, maxs, _ = _setup(*CASES["int4-group-asym"], torch.bfloat16,
                                         torch.device("cpu"))  # fmt: skip
     with SyncCounter() as syncs:
@@ -370,6 +372,69 @@ def test_the_choice_reads_nothing_on_the_host(
         )
     assert found is not None and index is not None
     assert syncs.count == 0, syncs.by_op
+
+
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4", "mxfp4"])
+def test_the_choice_on_chip_reads_nothing_on_the_host(
+    case: str, triton_device: torch.device
+) -> None:
+    # The kernels' path: candidates, errors, near ties, re-scoring and the
+    # choice, with no host read (under the interpreter its own copies of
+    # the launched tensors are no reads of a device's).
+    x3, scoring, mins, maxs, _ = _setup(*CASES[case], torch.bfloat16, triton_device)
+    with SyncCounter() as syncs:
+        found = mse_gpu.best_shrink(x3, scoring, mins, maxs, shrink_factors(0.2, 100))
+        index = mse_gpu.imatrix_choice(
+            x3, scoring, mins, maxs, imatrix_factors(0.95, 20.0), 3.0, 5, None, 1 << 20
+        )
+    assert found is not None and index is not None
+    assert syncs.count == 0, syncs.by_op
+
+
+@pytest.mark.usefixtures("torch_path")
+@pytest.mark.parametrize("weighted", [False, True], ids=["uniform", "imatrix"])
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4"])
+def test_candidates_made_with_torch_are_torchs(
+    case: str,
+    weighted: bool,
+    triton_device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the kernel does not make the candidates (e.g. a scale dtype it
+    # does not round) they are made with torch, and the choice is the same.
+    monkeypatch.setattr(mse_gpu, "_rule", lambda *args: None)
+    kwargs, shape = CASES[case]
+    x3, scoring, mins, maxs, _ = _setup(kwargs, shape, torch.float16, triton_device)
+    factors = shrink_factors(0.2, 100.0)
+    shrink = best_shrink.native("cuda")
+    choice = imatrix_choice.native("cuda")
+    assert shrink is not None and choice is not None
+    got = shrink(x3, scoring, mins, maxs, factors)
+    want = best_shrink.torch(x3, scoring, mins, maxs, factors)
+    assert got is not None and torch.equal(got, want), (got, want)
+    weights = None
+    if weighted:
+        gen = torch.Generator().manual_seed(5)
+        weights = torch.rand(1, *x3.shape[1:], generator=gen).to(triton_device)
+    grid = imatrix_factors(0.95, 20.0).to(triton_device)
+    call = (x3, scoring, mins, maxs, grid, 3.0, 5, weights, 1 << 20)
+    found = choice(*call)
+    assert found is not None and torch.equal(found, imatrix_choice.torch(*call))
+
+
+def test_rule_declines_scales_it_does_not_round() -> None:
+    from quantobs.native import gpu
+
+    if not gpu.triton_importable():
+        pytest.skip("triton is not installed")
+    from quantobs.native import triton_shrink
+
+    int4 = {"num_bits": 4, "strategy": "group", "group_size": 16}
+    for update in ({"scale_dtype": torch.bfloat16}, {"scale_dtype": torch.float16}):
+        assert triton_shrink.Rule.of(QuantizationArgs(**int4, **update), None) is None
+    asym = QuantizationArgs(**int4, symmetric=False)
+    assert triton_shrink.Rule.of(asym, None) is not None
+    assert triton_shrink.Rule.of(asym, torch.ones(1)) is None  # no global scale
 
 
 # -------------------------------------------------------------------- min/max
