@@ -596,7 +596,7 @@ def test_errors_of_candidates_made_on_chip(
 
 
 @pytest.mark.usefixtures("torch_path")
-@pytest.mark.parametrize("case", ["int8-channel", "uint8-channel-asym"])
+@pytest.mark.parametrize("case", ["uint8-channel-asym"])  # ~4 s interpreted
 def test_best_shrink_of_qparams_in_segments(
     case: str, triton_device: torch.device
 ) -> None:
