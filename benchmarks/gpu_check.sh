@@ -54,13 +54,17 @@ grep -v '^\[gw' "$OUT/cuda_tests.log" | tail -40
 
 echo "== Triton kernels on the device"
 shopt -s nullglob
-triton_tests=(tests/native/test_triton*.py)
+triton_tests=(tests/native/triton/test_triton*.py tests/native/test_triton*.py)
 if [ ${#triton_tests[@]} -gt 0 ]; then
     timeout 90 "${PYTEST[@]}" "${triton_tests[@]}" >"$OUT/triton_tests.log" 2>&1 || status=1
     grep -v '^\[gw' "$OUT/triton_tests.log" | tail -20
 else
-    echo "no tests/native/test_triton*.py here" | tee "$OUT/triton_tests.log"
+    echo "no tests/native/triton/test_triton*.py here" | tee "$OUT/triton_tests.log"
 fi
+
+echo "== aten ops and launches per update (gpu_ops.py, on the device)"
+timeout 60 "$PY" benchmarks/gpu_ops.py --device cuda --json "$OUT/gpu_ops.json" \
+    2>&1 | tee "$OUT/gpu_ops.log" | tail -12
 
 echo "== bench_gpu.py ${BENCH_ARGS:---quick}"
 timeout 230 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} --budget-s 190 \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -51,3 +52,24 @@ def test_omit_nonfinite_gives_empty_ranges() -> None:
     assert max_vals.tolist() == [1.0, float("-inf")]
     zeroed = range_or_zero(min_vals, max_vals)
     assert zeroed[0].tolist() == [1.0, 0.0] and zeroed[1].tolist() == [1.0, 0.0]
+
+
+def test_finite_range_over_special_values() -> None:
+    # every combination of special ends against the rule written out with
+    # isfinite (the docstring's table), bit for bit
+    from quantobs.stats.reduce import finite_range
+
+    top = torch.finfo(torch.float32).max
+    ends = torch.tensor([-math.inf, -top, -1.5, 0.0, 2.0, top, math.inf, math.nan])
+    grid = torch.cartesian_prod(*[torch.arange(ends.numel())] * 4)
+    low, high, data_low, data_high = (ends[grid[:, i]] for i in range(4))
+    got = finite_range((low, high), (data_low.double(), data_high.double()))
+    seen = torch.isfinite(data_low) & torch.isfinite(data_high)
+    seen &= data_low <= data_high
+    seen &= ~((low == math.inf) & (high == -math.inf))
+    for end, data, found in ((low, data_low, got[0]), (high, data_high, got[1])):
+        fixed = torch.where(torch.isnan(end), data, end.clamp(-top, top))
+        want = torch.where(seen, fixed, end)
+        assert found.dtype == torch.float32
+        assert torch.equal(found.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(found.isnan(), want.isnan())

@@ -62,7 +62,9 @@ class Checks:
         values = [item[0] for item in self._items]
         for _, extras, _ in self._items:
             values.extend(extras)
-        flat = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values])
+        with torch.no_grad():  # few ops (each a launch on a GPU)
+            scalars = [v if v.dim() == 0 else v.reshape(()) for v in values]
+            flat = torch.stack([v.to(torch.float64) for v in scalars])
         read = flat.tolist()  # the one synchronisation
         items, self._items = self._items, []
         offset = len(items)

@@ -124,9 +124,13 @@ def _score_chunked(
     chunk (torch ops, any device)."""
     n, num_q, g = x3.shape
     num_c = scale.shape[0]
-    errors = torch.zeros(num_c, num_q, dtype=torch.float64, device=x3.device)
     per_qparam = num_c * n * g
     q_step = max(1, chunk_elems // per_qparam)
+    if q_step >= num_q and per_qparam <= chunk_elems:  # one chunk: fewer ops
+        zp = None if zero_point is None else zero_point[:, None, :, None]
+        err = error_power(x3[None].float(), scale[:, None, :, None], zp, fmt, norm)
+        return err.sum(dim=(1, 3), dtype=torch.float32).double()
+    errors = torch.zeros(num_c, num_q, dtype=torch.float64, device=x3.device)
     for q0 in range(0, num_q, q_step):
         rows = slice(q0, min(num_q, q0 + q_step))
         sc = scale[:, None, rows, None]  # (C, 1, Qc, 1)

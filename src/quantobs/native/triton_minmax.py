@@ -69,12 +69,13 @@ def minmax3(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None] | None:
     values = n * g
     block_e = triton.next_power_of_2(min(values, _MAX_TILE_E))
     block_q = max(1, min(_TILE // block_e, triton.next_power_of_2(num_q)))
-    out = torch.empty(2, num_q, dtype=torch.float32, device=x3.device)
+    low = torch.empty(num_q, dtype=torch.float32, device=x3.device)
+    high = torch.empty(num_q, dtype=torch.float32, device=x3.device)
     grid = (triton.cdiv(num_q, block_q),)
     with gpu.interpreter_quiet():
         _minmax_kernel[grid](
-            x3, out[0], out[1], num_q, g, values, *x3.stride(),
+            x3, low, high, num_q, g, values, *x3.stride(),
             ROWS=n > 1, BLOCK_Q=block_q, BLOCK_E=block_e,
         )  # fmt: skip
-    out = out.to(x3.dtype)  # exact: the extremes are values of x3
-    return out[0], out[1], None
+    # exact: the extremes are values of x3
+    return low.to(x3.dtype), high.to(x3.dtype), None

@@ -384,7 +384,8 @@ class ObserverEngine(torch.nn.Module):
                 self._kept += 1
             return batch
         low, high = batch.min_vals, batch.max_vals
-        nonfinite = (~torch.isfinite(low) | ~torch.isfinite(high)).sum()
+        # qparams with a non-finite end (x - x: 0 if finite, else NaN)
+        nonfinite = torch.count_nonzero((low - low) + (high - high))
         beyond = torch.zeros((), dtype=torch.float64, device=low.device)
         if dtype == torch.float64 and not self.exact_dtype:
             nonfinite, beyond = _float64_findings(values())

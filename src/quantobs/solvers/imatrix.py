@@ -81,6 +81,7 @@ def weighted_errors(
     norm: float,
     weights: torch.Tensor,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    qparams: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`(C, Q)` float32 errors `sum w * |fake_quant(x) - x| ** norm` of every
     shrunk candidate range.
@@ -99,6 +100,9 @@ def weighted_errors(
         weights: `(N or 1, Q, G)` float32 weight of each value.
         chunk_elems: elements per temporary tensor (at least one qparam's
             values for one candidate).
+        qparams: the candidates' `(C, Q)` scales and zero points (None:
+            symmetric) when the caller has them (`candidate_qparams`' values,
+            e.g. made by the GPU kernel); None: made here, chunk by chunk.
 
     Returns:
         `(C, Q)` float32 errors.
@@ -116,10 +120,14 @@ def weighted_errors(
         w = weights[None, :, rows]  # (1, N | 1, q, G)
         for c0 in range(0, num_c, c_step):
             cols = slice(c0, min(num_c, c0 + c_step))
-            f = factors[cols, None]  # (c, 1)
-            scale, zp = candidate_qparams(
-                min_vals[None, rows] * f, max_vals[None, rows] * f, args
-            )  # (c, q)
+            if qparams is None:
+                f = factors[cols, None]  # (c, 1)
+                scale, zp = candidate_qparams(
+                    min_vals[None, rows] * f, max_vals[None, rows] * f, args
+                )  # (c, q)
+            else:
+                scale = qparams[0][cols, rows]
+                zp = None if qparams[1] is None else qparams[1][cols, rows]
             zp4 = None if zp is None else zp[:, None, :, None]
             err = error_power(x, scale[:, None, :, None], zp4, fmt, norm)
             errors[cols, rows] = err.mul_(w).sum(dim=(1, 3))  # (c, N, q, G) -> (c, q)

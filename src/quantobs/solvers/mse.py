@@ -113,8 +113,9 @@ def grid_search(
     """
     min_vals, max_vals = batch_range if batch_range is not None else minmax(x_flat)
     top = torch.finfo(torch.float32).max  # `expand` past it saturates
-    min_vals = (min_vals * expand).clamp(-top, top)
-    max_vals = (max_vals * expand).clamp(-top, top)
+    if expand != 1.0:  # (times 1 is exact: one op less on a GPU)
+        min_vals, max_vals = min_vals * expand, max_vals * expand
+    min_vals, max_vals = min_vals.clamp(-top, top), max_vals.clamp(-top, top)
     scoring = search_args(args, round_scales)
     global_scale = None
     if round_scales and args.strategy == "tensor_group":

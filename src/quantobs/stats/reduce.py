@@ -223,10 +223,11 @@ def finite_range(selected: Range, observed: Range) -> Range:
     """
     low, high = selected
     data_low, data_high = observed[0].to(low.dtype), observed[1].to(high.dtype)
-    seen = torch.isfinite(data_low) & torch.isfinite(data_high)
-    seen &= data_low <= data_high
-    seen &= ~((low == math.inf) & (high == -math.inf))
     top = torch.finfo(low.dtype).max
+    # finite and non-empty: -max <= data_low <= data_high <= max (NaN fails);
+    # few ops (each a kernel launch on a GPU)
+    seen = (data_low >= -top) & (data_low <= data_high) & (data_high <= top)
+    seen &= (low != math.inf) | (high != -math.inf)
     out = []
     for end, data in ((low, data_low), (high, data_high)):
         fixed = torch.where(torch.isnan(end), data, end.clamp(-top, top))

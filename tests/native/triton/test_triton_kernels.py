@@ -348,8 +348,9 @@ def test_near_ties_beyond_the_budget_keep_the_kernels_errors() -> None:
 def test_the_choice_reads_nothing_on_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Everything around the kernel (candidates, near ties, the early stop)
-    # runs without a host read; the kernel is stood in for by torch here.
+    # Candidates the kernel does not make (torch's `(C, Q)` tensors): what
+    # runs around the scoring (near ties, the early stop) makes no host
+    # read; the scoring kernel is stood in for by torch here.
     from quantobs.native import gpu
 
     if not gpu.triton_importable():
@@ -361,6 +362,7 @@ def test_the_choice_reads_nothing_on_the_host(
         return score_with_torch(x3, scale, zp, fmt, norm).to(dtype)
 
     monkeypatch.setattr(triton_mse, "candidate_errors", torch_errors)
+    monkeypatch.setattr(mse_gpu, "_rule", lambda *args: None)
     x3, scoring, mins, maxs, _ = _setup(*CASES["int4-group-asym"], torch.bfloat16,
                                         torch.device("cpu"))  # fmt: skip
     with SyncCounter() as syncs:
@@ -370,6 +372,69 @@ def test_the_choice_reads_nothing_on_the_host(
         )
     assert found is not None and index is not None
     assert syncs.count == 0, syncs.by_op
+
+
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4", "mxfp4"])
+def test_the_choice_on_chip_reads_nothing_on_the_host(
+    case: str, triton_device: torch.device
+) -> None:
+    # The kernels' path: candidates, errors, near ties, re-scoring and the
+    # choice, with no host read (under the interpreter its own copies of
+    # the launched tensors are no reads of a device's).
+    x3, scoring, mins, maxs, _ = _setup(*CASES[case], torch.bfloat16, triton_device)
+    with SyncCounter() as syncs:
+        found = mse_gpu.best_shrink(x3, scoring, mins, maxs, shrink_factors(0.2, 100))
+        index = mse_gpu.imatrix_choice(
+            x3, scoring, mins, maxs, imatrix_factors(0.95, 20.0), 3.0, 5, None, 1 << 20
+        )
+    assert found is not None and index is not None
+    assert syncs.count == 0, syncs.by_op
+
+
+@pytest.mark.usefixtures("torch_path")
+@pytest.mark.parametrize("weighted", [False, True], ids=["uniform", "imatrix"])
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4"])
+def test_candidates_made_with_torch_are_torchs(
+    case: str,
+    weighted: bool,
+    triton_device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the kernel does not make the candidates (e.g. a scale dtype it
+    # does not round) they are made with torch, and the choice is the same.
+    monkeypatch.setattr(mse_gpu, "_rule", lambda *args: None)
+    kwargs, shape = CASES[case]
+    x3, scoring, mins, maxs, _ = _setup(kwargs, shape, torch.float16, triton_device)
+    factors = shrink_factors(0.2, 100.0)
+    shrink = best_shrink.native("cuda")
+    choice = imatrix_choice.native("cuda")
+    assert shrink is not None and choice is not None
+    got = shrink(x3, scoring, mins, maxs, factors)
+    want = best_shrink.torch(x3, scoring, mins, maxs, factors)
+    assert got is not None and torch.equal(got, want), (got, want)
+    weights = None
+    if weighted:
+        gen = torch.Generator().manual_seed(5)
+        weights = torch.rand(1, *x3.shape[1:], generator=gen).to(triton_device)
+    grid = imatrix_factors(0.95, 20.0).to(triton_device)
+    call = (x3, scoring, mins, maxs, grid, 3.0, 5, weights, 1 << 20)
+    found = choice(*call)
+    assert found is not None and torch.equal(found, imatrix_choice.torch(*call))
+
+
+def test_rule_declines_scales_it_does_not_round() -> None:
+    from quantobs.native import gpu
+
+    if not gpu.triton_importable():
+        pytest.skip("triton is not installed")
+    from quantobs.native import triton_shrink
+
+    int4 = {"num_bits": 4, "strategy": "group", "group_size": 16}
+    for update in ({"scale_dtype": torch.bfloat16}, {"scale_dtype": torch.float16}):
+        assert triton_shrink.Rule.of(QuantizationArgs(**int4, **update), None) is None
+    asym = QuantizationArgs(**int4, symmetric=False)
+    assert triton_shrink.Rule.of(asym, None) is not None
+    assert triton_shrink.Rule.of(asym, torch.ones(1)) is None  # no global scale
 
 
 # -------------------------------------------------------------------- min/max
@@ -454,3 +519,139 @@ def test_near_ties_are_torchs(
         monkeypatch.setattr(mse_gpu, "_TOLERANCE", -1.0)
         unsettled = impl(x3, args, mins, maxs, factors, patience=None)
         assert unsettled is not None and not torch.equal(unsettled, want)
+
+
+# ------------------------------------------- candidates made on chip (shrink)
+
+# case -> (args kwargs, weight shape, round_scales): every rule the kernel makes
+SHRINK_CASES = {**{k: (*v, False) for k, v in CASES.items()},
+                "nvfp4-stored-scales": (NVFP4, (6, 32), True)}  # fmt: skip
+
+
+def _shrink_setup(
+    case: str, dtype: torch.dtype, device: torch.device, expand: float = 1.0
+) -> tuple[torch.Tensor, QuantizationArgs, torch.Tensor, torch.Tensor, Any]:
+    kwargs, shape, round_scales = SHRINK_CASES[case]
+    x3, scoring, mins, maxs, gs = _setup(kwargs, shape, dtype, device, round_scales)
+    top = torch.finfo(torch.float32).max
+    return (x3, scoring, (mins * expand).clamp(-top, top),
+            (maxs * expand).clamp(-top, top), gs)  # fmt: skip
+
+
+@pytest.mark.parametrize("expand", [1.0, 1.8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SHRINK_CASES)
+def test_candidates_made_on_chip_are_torchs(
+    case: str, dtype: torch.dtype, expand: float, triton_device: torch.device
+) -> None:
+    # every candidate's scale and zero point: scoring.candidate_qparams' bits
+    # (all-zero, constant, near-max rows included; 1.8x ranges past the
+    # dtype's largest saturate; factors down to 0)
+    from quantobs.native import triton_shrink
+
+    _, scoring, mins, maxs, gs = _shrink_setup(case, dtype, triton_device, expand)
+    factors = shrink_factors(1.0, 50.0).to(triton_device)
+    rule = triton_shrink.Rule.of(scoring, gs)
+    assert rule is not None
+    index = torch.arange(mins.numel(), device=triton_device).flip(0)
+    scale, zp = triton_shrink.candidate_qparams(rule, mins, maxs, factors, index, gs)
+    f = factors[:, None]
+    want_scale, want_zp = candidate_qparams(
+        mins[index][None] * f, maxs[index][None] * f, scoring, gs
+    )
+    assert torch.equal(scale, want_scale)
+    assert (zp is None) == (want_zp is None)
+    if zp is not None and want_zp is not None:
+        assert torch.equal(zp, want_zp.float())
+
+
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4-stored-scales", "mxfp4"])
+def test_errors_of_candidates_made_on_chip(
+    case: str, triton_device: torch.device
+) -> None:
+    # the same errors as scoring torch's candidates with the kernel, and the
+    # near comparisons of `mse_gpu._near` on them
+    from quantobs.native import triton_mse, triton_shrink
+
+    x3, scoring, mins, maxs, gs = _shrink_setup(case, torch.bfloat16, triton_device)
+    factors = shrink_factors(0.2, 100.0).to(triton_device)
+    rule = triton_shrink.Rule.of(scoring, gs)
+    assert rule is not None
+    found = triton_shrink.shrink_errors(
+        x3, rule, mins, maxs, factors, 2.4, 0.05, global_scale=gs,
+        dtype=torch.float64, exact=True,
+    )  # fmt: skip
+    assert found is not None
+    f = factors[:, None]
+    scale, zp = candidate_qparams(mins[None] * f, maxs[None] * f, scoring, gs)
+    want = triton_mse.candidate_errors(x3, scale, zp, scoring.format, 2.4)
+    assert want is not None and torch.equal(found[0], want)
+    repeats = scale[1:] == scale[:-1]
+    if zp is not None:
+        repeats &= zp[1:] == zp[:-1]
+    near = mse_gpu._near(want, repeats, 0.05)
+    assert torch.equal(found[1].bool(), near)
+    if case == "int4-group-asym":  # some comparisons near, not all
+        assert near.any() and not near.all()
+
+
+@pytest.mark.usefixtures("torch_path")
+@pytest.mark.parametrize("case", ["uint8-channel-asym"])  # ~4 s interpreted
+def test_best_shrink_of_qparams_in_segments(
+    case: str, triton_device: torch.device
+) -> None:
+    # qparams of more values than one program's segment: partial sums added
+    # after the launch, near ties found by a second kernel
+    kwargs, _ = CASES[case]
+    args = QuantizationArgs(**kwargs)
+    gen = torch.Generator().manual_seed(8)
+    x3 = torch.randn(1, 2, 9000, generator=gen).to(triton_device)
+    x3[0, 1] = x3[0, 1].round()  # every candidate ties somewhere
+    mins, maxs = minmax(x3)
+    factors = shrink_factors(0.2, 100.0)
+    want = best_shrink.torch(x3, args, mins, maxs, factors)
+    impl = best_shrink.native("cuda")
+    assert impl is not None
+    got = impl(x3, args, mins, maxs, factors)
+    assert got is not None and torch.equal(got, want), (got, want)
+
+
+def _tied_errors(seed: int) -> torch.Tensor:
+    """`(C, Q)` errors with many exact ties, an inf column and a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    errors = torch.randint(0, 4, (12, 37), generator=gen).double()
+    errors[:, 3] = math.inf
+    errors[5, 7] = math.nan
+    return errors
+
+
+@pytest.mark.parametrize("patience", [None, 0, 1, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_choice_on_chip_is_first_best(
+    patience: int | None, seed: int, triton_device: torch.device
+) -> None:
+    from quantobs.native import triton_shrink
+    from quantobs.solvers.mse_ties import first_best
+
+    errors = _tied_errors(seed).to(triton_device)
+    factors = shrink_factors(0.12, 100.0).to(triton_device)
+    for dtype in (torch.float64, torch.float32):
+        e = errors.to(dtype)
+        want = factors[first_best(e, patience)]
+        got = triton_shrink.choose(e, patience, triton_shrink.FIRST_BEST, factors)
+        assert torch.equal(got, want), (dtype, got, want)
+
+
+@pytest.mark.parametrize("patience", [0, 1, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_choice_on_chip_is_best_index(
+    patience: int, seed: int, triton_device: torch.device
+) -> None:
+    from quantobs.native import triton_shrink
+    from quantobs.solvers.imatrix import best_index
+
+    errors = _tied_errors(seed).float().to(triton_device)
+    errors[:, 9] = torch.finfo(torch.float32).max  # never improves: index 0
+    want = best_index(errors, patience)
+    got = triton_shrink.choose(errors, patience, triton_shrink.BEST_INDEX)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)

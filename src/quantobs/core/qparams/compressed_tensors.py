@@ -153,7 +153,10 @@ def _check_range(
     _check_range_types(min_vals, max_vals)
     own = checks is None
     checks = Checks() if checks is None else checks
-    bad = (~torch.isfinite(min_vals)).sum() + (~torch.isfinite(max_vals)).sum()
+    # x - x is 0 for finite x, NaN for NaN and +-inf: two ops a tensor
+    bad = torch.count_nonzero(min_vals - min_vals) + torch.count_nonzero(
+        max_vals - max_vals
+    )
     checks.add(bad, _nonfinite_range_error)
     checks.add((min_vals > max_vals).any(), _reversed_range_error)
     if own:
@@ -620,7 +623,8 @@ def _check_global_scale(global_scale: torch.Tensor, checks: Checks) -> None:
             f"{tuple(global_scale.shape)}"
         )
     value = global_scale.detach().float().reshape(())
-    checks.add(~(torch.isfinite(value) & (value > 0)), _global_scale_error, value)
+    top = torch.finfo(torch.float32).max  # finite and positive; NaN fails
+    checks.add(~((value > 0) & (value <= top)), _global_scale_error, value)
 
 
 def _global_scale_error(_: float, value: float) -> ValueError:
@@ -665,7 +669,8 @@ def amax_to_global_scale(
     )
     own = checks is None
     checks = Checks() if checks is None else checks
-    checks.add(~torch.isfinite(amax).all(), _nonfinite_amax_error)
+    # non-finite values: amax - amax is NaN there, 0 elsewhere
+    checks.add(torch.count_nonzero(amax - amax), _nonfinite_amax_error)
     if own:
         checks.raise_first()
     work = _rounded_dtype(observed_dtype) or torch.float32
