@@ -1,11 +1,11 @@
 """Quantization error of bfloat16 / float16 weights under the two arithmetics
 of quantobs' llm-compressor observers (issue 25).
 
-`arithmetic="observed"` (the default) computes as llm-compressor 0.14 does on
-values of that dtype: scales rounded in it, the MSE searches' candidates,
-fake-quantized values and error sums too (its rounded errors tie often and
-the first tied candidate wins). `arithmetic="float32"` searches the float32
-copy. For each observer and format this prints the mean squared error of the
+"observed" (`arithmetic="observed"`, `search_arithmetic="observed"`)
+computes as llm-compressor 0.14 does on values of that dtype: scales rounded
+in it, the MSE searches' candidates, fake-quantized values and error sums too
+(its rounded errors tie often and the first tied candidate wins). "float32"
+(`arithmetic="float32"`) searches the float32 copy. For each observer and format this prints the mean squared error of the
 weights fake-quantized with the scales as a bfloat16 / float16 model stores
 them (the module's dtype) and the fraction of qparams whose stored scale
 differs between the two arithmetics. Not a test: numbers, never asserted.
@@ -66,8 +66,11 @@ def _weights(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 def _error(
     name: str, args: QuantizationArgs, weight: torch.Tensor, arithmetic: str
 ) -> tuple[float, torch.Tensor]:
+    options = {"arithmetic": arithmetic}
+    if "mse" in name or "imatrix" in name:  # the search's arithmetic too
+        options["search_arithmetic"] = arithmetic
     observer = Observer.load_from_registry(
-        name, base_name="weight", args=args, arithmetic=arithmetic
+        name, base_name="weight", args=args, **options
     )
     observer.update(weight)
     scale, zero_point = observer.get_qparams()

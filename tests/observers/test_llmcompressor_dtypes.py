@@ -7,8 +7,11 @@ int8 per tensor / channel (symmetric and asymmetric), int4 groups of 128
 llm-compressor computes in the observed dtype: scales come back in it
 (float32 where NVFP4's float32 global scale multiplied them), moving
 averages and the MSE searches' candidates, fake-quantized values and error
-sums round in it. quantobs' default `arithmetic="observed"` does the same;
-`arithmetic="float32"` keeps float32 (tested at the end).
+sums round in it. quantobs' default `arithmetic="observed"` does the same
+for the scales and averages, and with `search_arithmetic="observed"` for the
+MSE searches too; the default search scores the float32 copy (the design's
+float32 statistics, the same choice on every device: tested at the end), as
+`arithmetic="float32"` does for everything.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ MINMAX = ["memoryless_minmax", "static_minmax", "minmax"]
 MSE = ["memoryless_mse", "mse"]
 NVFP4_ONLY = ["nvfp4_expanded_mse", "nvfp4_expanded_imatrix"]
 IMATRIX = ["imatrix_mse", "nvfp4_expanded_imatrix"]
+#: the peer's search arithmetic on bfloat16 / float16 (an option of ours)
+PEER_SEARCH = {"search_arithmetic": "observed"}
 ROWS, COLS = 16, 256
 
 
@@ -86,9 +91,11 @@ def _pair(name: str, base_name: str, args: dict[str, Any], layer=None):
     theirs = LObserver.load_from_registry(
         name, base_name=base_name, args=CTArgs(**args)
     )
+    searches = name in (*MSE, *NVFP4_ONLY, *IMATRIX)
     ours = Observer.load_from_registry(
-        name, base_name=base_name, args=QuantizationArgs(**args)
-    )
+        name, base_name=base_name, args=QuantizationArgs(**args),
+        **(PEER_SEARCH if searches else {}),
+    )  # fmt: skip
     if layer is not None and name in IMATRIX:
         theirs.attach(layer)
         ours.attach(layer)
@@ -210,7 +217,7 @@ def test_moving_average_rounds_in_the_observed_dtype(dtype: torch.dtype) -> None
 def test_float16_error_sums_overflow_as_the_peers() -> None:
     # float16 values whose int4 error sums pass 65504: llm-compressor's
     # errors are all inf, no candidate improves and its search returns the
-    # min-max range; the default does the same, float32 arithmetic searches
+    # min-max range; the peer's search arithmetic does the same, float32 searches
     args = WEIGHT_FORMATS["int4-g128"]
     weight = _values((8, 256), 300.0, torch.float16, 0)
     expected = LObserver.load_from_registry(
@@ -220,11 +227,36 @@ def test_float16_error_sums_overflow_as_the_peers() -> None:
         "memoryless_mse", base_name="weight", args=CTArgs(**args)
     )(weight).get_qparams()
     assert torch.equal(theirs["scale"], expected["scale"])
-    for arithmetic, searched in (("observed", False), ("float32", True)):
+    for search, searched in (("observed", False), ("float32", True)):
         ours = Observer.load_from_registry(
             "memoryless_mse", base_name="weight", args=QuantizationArgs(**args),
-            arithmetic=arithmetic,
+            search_arithmetic=search,
         )  # fmt: skip
         ours.update(weight)
         scale = ours.get_qparams()[0].to(torch.float16)
         assert torch.equal(scale, expected["scale"]) is not searched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["memoryless_mse", "imatrix_mse"])  # mse averages
+def test_the_default_search_scores_the_float32_copy(
+    name: str, dtype: torch.dtype
+) -> None:
+    # the default search_arithmetic="float32": the range chosen for the
+    # bfloat16 / float16 values is the float32 copy's, and it differs from
+    # the peer's rounded search somewhere here (the option's reason to be)
+    args = QuantizationArgs(**WEIGHT_FORMATS["int4-g128"])
+    weight = _values((ROWS, COLS), 0.05, dtype, 0)
+    default = Observer.load_from_registry(name, base_name="weight", args=args)
+    copy = Observer.load_from_registry(name, base_name="weight", args=args)
+    peer = Observer.load_from_registry(
+        name, base_name="weight", args=args, **PEER_SEARCH
+    )
+    default.update(weight)
+    copy.update(weight.float())
+    peer.update(weight)
+    low, high = default.get_range()
+    assert torch.equal(low, copy.get_range()[0])
+    assert torch.equal(high, copy.get_range()[1])
+    assert not torch.equal(high, peer.get_range()[1])
+    assert default.get_qparams()[0].dtype == dtype  # scales in the observed dtype

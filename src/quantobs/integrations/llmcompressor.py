@@ -172,7 +172,8 @@ class QuantobsObserver(LCObserver):
         super().__init__(base_name, args, **observer_kwargs)
         owner = f"observer {self.registered_name!r}"
         validate_options(self.core_cls.Options, owner, self.args.observer_kwargs)
-        core = self.core_cls(base_name, QuantizationArgs.from_compressed_tensors(args))
+        ours = QuantizationArgs.from_compressed_tensors(args)
+        core = self.core_cls(base_name, ours, **_peer_search(self.core_cls, ours))
         # Kept outside the module tree, as llm-compressor keeps its observers'
         # statistics (plain attributes): not in the model's `state_dict`, and
         # never matched by a recipe's targets (compressed-tensors skips only
@@ -511,3 +512,14 @@ def registered_observers() -> list[str]:
 
 
 register_observers()
+
+
+def _peer_search(core_cls: type[Observer], args: QuantizationArgs) -> dict[str, Any]:
+    """The plug-in searches bfloat16 / float16 as llm-compressor does (its
+    observers' choice bit for bit): `search_arithmetic="observed"` for the
+    MSE observers, unless the recipe's `observer_kwargs` say otherwise."""
+    fields = getattr(core_cls.Options, "model_fields", {})
+    given = args.observer_kwargs or {}
+    if "search_arithmetic" not in fields or "search_arithmetic" in given:
+        return {}
+    return {"search_arithmetic": "observed"}

@@ -74,9 +74,10 @@ class ObserverOptions(BaseModel):
         arithmetic: `"observed"` (default) computes as llm-compressor 0.14
             does on bfloat16 / float16 values, in their dtype: NVFP4 global
             and group scales, asymmetric scales and zero points, moving
-            averages of ranges, and the MSE / imatrix searches (candidates,
-            fake-quantized values, error sums; `observed_search`) round in
-            it, and scales are returned in it (float32 under NVFP4's global
+            averages of ranges, and, with `search_arithmetic="observed"`,
+            the MSE / imatrix searches (candidates, fake-quantized values,
+            error sums; `observed_search`) round in it, and scales are
+            returned in it (float32 under NVFP4's global
             scale), equal to llm-compressor's in dtype and bits;
             `"float32"` computes on the float32 copy and returns float32
             scales (docs/dtypes.md has the measured effect on the

@@ -51,7 +51,7 @@ from pydantic import Field
 
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
-from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.base import Arithmetic, Observer, ObserverOptions
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.importance import ImportanceObserver
 from quantobs.observers.mse import MemorylessMSEObserver, MSEOptions
@@ -98,6 +98,8 @@ class IMatrixMSEOptions(ObserverOptions):
             (finite, positive).
         strict: raise instead of falling back to uniform importance.
         chunk_elems: elements per temporary tensor (bounds memory).
+        search_arithmetic: `"float32"` (default) or `"observed"`, as
+            `MSEOptions.search_arithmetic`.
     """
 
     maxshrink: float = Field(0.95, ge=0.0, le=1.0)
@@ -107,6 +109,7 @@ class IMatrixMSEOptions(ObserverOptions):
     expand: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     strict: bool = False
     chunk_elems: int = Field(DEFAULT_CHUNK_ELEMS, ge=1024)
+    search_arithmetic: Arithmetic = "float32"
 
 
 class NVFP4ExpandedIMatrixOptions(IMatrixMSEOptions):
@@ -324,7 +327,11 @@ class IMatrixMSEObserver(Observer):
         if batch.x_flat is None:  # pragma: no cover - needs_values
             raise RuntimeError("imatrix observers score values; none were given")
         opts = self.options
-        if opts.arithmetic == "observed" and batch.x_flat.dtype in OBSERVED_DTYPES:
+        if (
+            opts.arithmetic == "observed"
+            and opts.search_arithmetic == "observed"
+            and batch.x_flat.dtype in OBSERVED_DTYPES
+        ):
             # llm-compressor's candidates and fake-quant in the observed dtype
             low, high = observed_grid_search(
                 batch.x_flat, self.args, maxshrink=opts.maxshrink, grid=opts.grid,

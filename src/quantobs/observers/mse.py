@@ -37,7 +37,7 @@ from pydantic import Field, model_validator
 
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS
-from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.observers.base import Arithmetic, Observer, ObserverOptions
 from quantobs.observers.needs import Need
 from quantobs.observers.observed_search import OBSERVED_DTYPES, observed_grid_search
 from quantobs.solvers.mse import mse_search
@@ -111,10 +111,20 @@ class MSEOptions(_SearchOptions):
             resulting qparams are exactly the chosen stored scales, unless a
             module's own global scale overrides the observer's). Excludes
             `search` and `independent_bounds`.
+        search_arithmetic: how bfloat16 / float16 values are searched:
+            `"float32"` (default) scores the candidates on their float32
+            copy (the design's rule: statistics in float32; the native and
+            Triton kernels; the same choice on every device); `"observed"`,
+            with `arithmetic="observed"`, searches as llm-compressor 0.14's
+            eager search does, in the observed dtype (candidates,
+            fake-quantized values and error sums rounded in it:
+            `observed_search`, torch ops only), for its choice bit for bit
+            on the CPU (docs/dtypes.md: the measured effect).
     """
 
     patience: int | None = Field(5, ge=0)
     triton_error_buffer: float | None = Field(None, ge=0.0)
+    search_arithmetic: Arithmetic = "float32"
     search: Search = "grid"
     independent_bounds: bool = False
     scale_search: ScaleSearch = "continuous"
@@ -168,11 +178,13 @@ class _SearchingObserver(Observer):
 
     def _peer_search(self, x_flat: torch.Tensor) -> bool:
         """Whether the batch is searched in its own bfloat16 / float16
-        arithmetic, as llm-compressor searches it (`arithmetic="observed"`
-        and llm-compressor's own search: the grid, unrounded scales)."""
+        arithmetic, as llm-compressor searches it (`arithmetic="observed"`,
+        `search_arithmetic="observed"` and llm-compressor's own search: the
+        grid, unrounded scales)."""
         opts = self.options
         return (
             opts.arithmetic == "observed"
+            and opts.search_arithmetic == "observed"
             and x_flat.dtype in OBSERVED_DTYPES
             and opts.scale_search == "continuous"
             and opts.search == "grid"
