@@ -5,10 +5,11 @@ of quantobs' llm-compressor observers (issue 25).
 computes as llm-compressor 0.14 does on values of that dtype: scales rounded
 in it, the MSE searches' candidates, fake-quantized values and error sums too
 (its rounded errors tie often and the first tied candidate wins). "float32"
-(`arithmetic="float32"`) searches the float32 copy. For each observer and format this prints the mean squared error of the
-weights fake-quantized with the scales as a bfloat16 / float16 model stores
-them (the module's dtype) and the fraction of qparams whose stored scale
-differs between the two arithmetics. Not a test: numbers, never asserted.
+(`arithmetic="float32"`) searches the float32 copy. For each observer and
+format this prints the mean squared error of the weights fake-quantized
+with the scales as a bfloat16 / float16 model stores them (the module's
+dtype) and the fraction of qparams whose stored scale differs between the
+two arithmetics. Not a test: numbers, never asserted.
 
     PYTHONPATH=src python benchmarks/bench_dtype_arithmetic.py
     PYTHONPATH=src python benchmarks/bench_dtype_arithmetic.py --rows 1024 --cols 4096
