@@ -26,7 +26,15 @@ from quantobs.native.ops_minmax import (
     range_absmax,
     symmetric_scales,
 )
-from quantobs.native.ops_mse import mse_errors, mse_supported, pow24
+from quantobs.native.ops_mse import (
+    mse_block,
+    mse_block_supported,
+    mse_errors,
+    mse_marks,
+    mse_rows,
+    mse_supported,
+    pow24,
+)
 from quantobs.native.ops_search import (
     entropy,
     entropy_search_rows,
@@ -53,7 +61,11 @@ __all__ = [
     "l2_symmetric",
     "minmax",
     "minmax_absmax",
+    "mse_block",
+    "mse_block_supported",
     "mse_errors",
+    "mse_marks",
+    "mse_rows",
     "mse_supported",
     "pow24",
     "range_absmax",

@@ -60,16 +60,42 @@ ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, floa
     return total;
 }
 
-/* out[k, j] += errors of rows (r, j) for r in [r0, r1), j in [j0, j1) */
+/* Which scores of a block of candidates a search skips (qo_mse_block): those
+ * of qparams whose errors are torch's (exact, (Q,)), and those of a candidate
+ * whose qparams equal those of the one before it (`first`: the block's first
+ * candidate in the table, whose rows the scale and zero-point pointers start
+ * at; -1: skip nothing). */
+typedef struct {
+    const uint8_t *exact;
+    int64_t first;
+} Skip;
+
+/* whether candidates a and b of qparam j have equal qparams */
+ALWAYS_INLINE int same_qparams(const float *scale, const float *zero_point, int64_t q,
+                               int64_t a, int64_t b, int64_t j) {
+    return scale[a * q + j] == scale[b * q + j] &&
+           (!zero_point || zero_point[a * q + j] == zero_point[b * q + j]);
+}
+
+ALWAYS_INLINE int skipped(Skip skip, const float *scale, const float *zero_point,
+                          int64_t q, int64_t k, int64_t j) {
+    if (skip.first < 0) return 0;
+    if (skip.exact[j]) return 1;
+    return skip.first + k > 0 && same_qparams(scale, zero_point, q, k, k - 1, j);
+}
+
+/* out[k, j] += errors of rows (r, j) for r in [r0, r1), j in [j0, j1), but
+ * for the scores the search skips */
 ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
                                const float *scale, const float *zero_point,
-                               const Format *f, double *out, int64_t r0, int64_t r1,
-                               int64_t j0, int64_t j1, int kind, int has_zp,
-                               int is_float) {
+                               Skip skip, const Format *f, double *out, int64_t r0,
+                               int64_t r1, int64_t j0, int64_t j1, int kind,
+                               int has_zp, int is_float) {
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = j0; j < j1; ++j) {
             const float *row = x + (r * q + j) * g;
             for (int64_t k = 0; k < c; ++k) {
+                if (skipped(skip, scale, zero_point, q, k, j)) continue;
                 float zp = has_zp ? zero_point[k * q + j] : 0.0f;
                 out[k * q + j] +=
                     row_error(row, g, scale[k * q + j], zp, *f, kind, has_zp, is_float);
@@ -78,18 +104,19 @@ ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
 }
 
 typedef void (*Scorer)(const float *, int64_t, int64_t, int64_t, const float *,
-                       const float *, const Format *, double *, int64_t, int64_t,
+                       const float *, Skip, const Format *, double *, int64_t, int64_t,
                        int64_t, int64_t);
 
 /* one copy of score_block per (error power, zero point, float format), each
- * with its ISA clones: the hot loops of qo_mse_errors are all in here */
+ * with its ISA clones (an AVX-512 one too: QO_WIDE_CLONES): the hot loops of
+ * qo_mse_errors and qo_mse_block are all in here */
 #define SCORER(KIND, ZP, FLOAT)                                                      \
-    QO_CLONES static void score_##KIND##_##ZP##_##FLOAT(                             \
+    QO_WIDE_CLONES static void score_##KIND##_##ZP##_##FLOAT(                        \
         const float *x, int64_t q, int64_t g, int64_t c, const float *scale,        \
-        const float *zero_point, const Format *f, double *out, int64_t r0,          \
-        int64_t r1, int64_t j0, int64_t j1) {                                        \
-        score_block(x, q, g, c, scale, zero_point, f, out, r0, r1, j0, j1, KIND, ZP, \
-                    FLOAT);                                                          \
+        const float *zero_point, Skip skip, const Format *f, double *out,           \
+        int64_t r0, int64_t r1, int64_t j0, int64_t j1) {                            \
+        score_block(x, q, g, c, scale, zero_point, skip, f, out, r0, r1, j0, j1,     \
+                    KIND, ZP, FLOAT);                                                \
     }
 SCORER(0, 0, 0) SCORER(0, 0, 1) SCORER(0, 1, 0) SCORER(0, 1, 1)
 SCORER(1, 0, 0) SCORER(1, 0, 1) SCORER(1, 1, 0) SCORER(1, 1, 1)
@@ -101,34 +128,39 @@ static const Scorer SCORERS[12] = {
     score_2_0_0, score_2_0_1, score_2_1_0, score_2_1_1,
 };
 
-void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
-                   const float *scale, const float *zero_point, float qmin,
-                   float qmax, int is_float, int mantissa_bits, int emin,
-                   float norm, double *out, int threads) {
+/* out (c, q) = the errors of candidates (scale, zero_point) (c, q); the
+ * scores skipped keep their value */
+static void score_table(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
+                       const float *scale, const float *zero_point, Skip skip,
+                       float qmin, float qmax, int is_float, int mantissa_bits,
+                       int emin, float norm, double *out, int threads) {
     Format f = {qmin, qmax, norm, mantissa_bits, emin};
     int kind = norm == 2.4f ? 1 : (norm == 2.0f ? 2 : 0);
     int has_zp = zero_point != NULL;
     Scorer score = SCORERS[kind * 4 + has_zp * 2 + (is_float != 0)];
-    memset(out, 0, sizeof(double) * (size_t)(c * q));
+    for (int64_t k = 0; k < c; ++k)
+        for (int64_t j = 0; j < q; ++j)
+            if (!skipped(skip, scale, zero_point, q, k, j)) out[k * q + j] = 0.0;
     if (n == 1 || c * q > (1 << 22)) {
         /* one row, or tables too large to copy per thread: split qparams */
 #pragma omp parallel for schedule(dynamic, 64) num_threads(threads)
         for (int64_t j = 0; j < q; ++j)
-            score(x, q, g, c, scale, zero_point, &f, out, 0, n, j, j + 1);
+            score(x, q, g, c, scale, zero_point, skip, &f, out, 0, n, j, j + 1);
         return;
     }
-    /* many rows: split them (read in order), one partial table per thread */
+    /* many rows: split them (read in order), one partial table per thread
+     * (without memory for one, that thread adds to out in turn) */
 #pragma omp parallel num_threads(threads)
     {
         double *mine = calloc((size_t)(c * q), sizeof(double));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             if (mine) {
-                score(x, q, g, c, scale, zero_point, &f, mine, r, r + 1, 0, q);
+                score(x, q, g, c, scale, zero_point, skip, &f, mine, r, r + 1, 0, q);
                 continue;
             }
 #pragma omp critical
-            score(x, q, g, c, scale, zero_point, &f, out, r, r + 1, 0, q);
+            score(x, q, g, c, scale, zero_point, skip, &f, out, r, r + 1, 0, q);
         }
         if (mine) {
 #pragma omp critical
@@ -136,6 +168,140 @@ void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
             free(mine);
         }
     }
+}
+
+void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
+                   const float *scale, const float *zero_point, float qmin,
+                   float qmax, int is_float, int mantissa_bits, int emin,
+                   float norm, double *out, int threads) {
+    Skip none = {NULL, -1};
+    score_table(x, n, q, g, c, scale, zero_point, none, qmin, qmax, is_float,
+                mantissa_bits, emin, norm, out, threads);
+}
+
+/* ------------------------------------------- llm-compressor's search order
+ *
+ * The errors table (C, Q) of a search holds, per qparam j, the kernel's
+ * errors, or torch's for every candidate where exact[j] (scored by the
+ * caller). Candidate i "repeats" where its qparams equal candidate i - 1's:
+ * its error is exactly that one's in every arithmetic. Two errors are "near"
+ * where |a - b| <= tolerance * max(a, b): only then may the kernel's order of
+ * them differ from torch's (quantobs.solvers.mse_ties). */
+
+ALWAYS_INLINE int near(double a, double b, double tolerance) {
+    return fabs(a - b) <= (a > b ? a : b) * tolerance;
+}
+
+/* Scores candidates [c0, c1) of the table: those of exact qparams are left
+ * as they are, repeated candidates copy their predecessor's error. */
+void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
+                  int64_t c1, const float *scale, const float *zero_point, float qmin,
+                  float qmax, int is_float, int mantissa_bits, int emin, float norm,
+                  const uint8_t *exact, double *errors, int threads) {
+    if (c1 <= c0) return;
+    Skip skip = {exact, c0};
+    const float *zp = zero_point ? zero_point + c0 * q : NULL;
+    score_table(x, n, q, g, c1 - c0, scale + c0 * q, zp, skip, qmin, qmax, is_float,
+                mantissa_bits, emin, norm, errors + c0 * q, threads);
+    for (int64_t i = c0 > 0 ? c0 : 1; i < c1; ++i) /* in order: chains of repeats */
+        for (int64_t j = 0; j < q; ++j)
+            if (!exact[j] && same_qparams(scale, zero_point, q, i, i - 1, j))
+                errors[i * q + j] = errors[(i - 1) * q + j];
+}
+
+/* llm-compressor's comparisons of candidates [c0, c1): each error against
+ * the least error of the candidates before it, per qparam. least (Q,): the
+ * running least errors (set by candidate 0; a NaN stays, as torch.minimum's).
+ * flags[i]: bit 0, some qparam improves (its error is below the least);
+ * bit 1, that is decided: some qparam improves clearly (not near the least,
+ * or exact), or none compares near (the repeats' comparisons are exact).
+ * Branch-free loops: they vectorize. */
+QO_CLONES void qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                 const float *scale, const float *zero_point, const uint8_t *exact,
+                 double tolerance, double *least, uint8_t *flags) {
+    for (int64_t i = c0; i < c1; ++i) {
+        const double *row = errors + i * q;
+        if (i == 0) {
+            memcpy(least, row, sizeof(double) * (size_t)q);
+            flags[0] = 3;
+            continue;
+        }
+        const float *s = scale + i * q, *sp = s - q;
+        const float *z = zero_point ? zero_point + i * q : s;
+        const float *zp = zero_point ? z - q : s;
+        int improved = 0, clear = 0, close = 0;
+#pragma omp simd reduction(| : improved, clear, close)
+        for (int64_t j = 0; j < q; ++j) {
+            double e = row[j], b = least[j];
+            int below = e < b;
+            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
+            int tight = near(e, b, tolerance) & !exact[j] & !repeat;
+            close |= tight;
+            clear |= below & !tight;
+            improved |= below;
+            least[j] = below | (e != e) ? e : b;
+        }
+        flags[i] = (uint8_t)(improved | ((clear | !close) << 1));
+    }
+}
+
+/* The qparams whose kernel errors may decide llm-compressor's choice
+ * otherwise than torch's, over the first `end` candidates (those it scores
+ * before its early stop): those near the least at an undecided candidate
+ * (flags, of qo_mse_rows) and those whose first least error (best (Q,):
+ * its candidate, torch.argmin's) is near another candidate's of other
+ * qparams. Sets marks[j] = 1 for them (exact ones never); returns how many
+ * it set, -1 if out of memory. */
+QO_CLONES int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end,
+                               const float *scale, const float *zero_point,
+                               const uint8_t *exact, double tolerance,
+                               const uint8_t *flags, int64_t *best, uint8_t *marks) {
+    double *least = malloc(sizeof(double) * (size_t)q);
+    float *won = malloc(sizeof(float) * (size_t)(2 * q)); /* the winners' qparams */
+    if (!least || !won) {
+        free(least);
+        free(won);
+        return -1;
+    }
+    /* the winners: torch.argmin (the first minimum; the first NaN) */
+    for (int64_t j = 0; j < q; ++j) least[j] = errors[j], best[j] = 0;
+    for (int64_t i = 1; i < end; ++i) {
+        const double *row = errors + i * q;
+        const float *s = scale + i * q, *sp = s - q;
+        const float *z = zero_point ? zero_point + i * q : s;
+        const float *zp = zero_point ? z - q : s;
+        int undecided = !(flags[i] & 2);
+#pragma omp simd
+        for (int64_t j = 0; j < q; ++j) {
+            double e = row[j], b = least[j];
+            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
+            marks[j] |= undecided & near(e, b, tolerance) & !exact[j] & !repeat;
+            int wins = (e < b) | ((e != e) & (b == b));
+            least[j] = wins ? e : b;
+            best[j] = wins ? i : best[j];
+        }
+    }
+    /* a winner near another candidate (one of other qparams: equal errors
+     * in every arithmetic) */
+    float *ws = won, *wz = zero_point ? won + q : won;
+    for (int64_t j = 0; j < q; ++j) {
+        ws[j] = scale[best[j] * q + j];
+        if (zero_point) wz[j] = zero_point[best[j] * q + j];
+    }
+    for (int64_t i = 0; i < end; ++i) {
+        const double *row = errors + i * q;
+        const float *s = scale + i * q, *z = zero_point ? zero_point + i * q : s;
+#pragma omp simd
+        for (int64_t j = 0; j < q; ++j) {
+            int same = (s[j] == ws[j]) & (z[j] == wz[j]);
+            marks[j] |= near(row[j], least[j], tolerance) & !exact[j] & !same;
+        }
+    }
+    free(least);
+    free(won);
+    int64_t count = 0;
+    for (int64_t j = 0; j < q; ++j) count += marks[j] != 0;
+    return count;
 }
 
 /* pow24 over an array: for the tests */
