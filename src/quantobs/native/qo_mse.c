@@ -7,14 +7,18 @@
 ALWAYS_INLINE float pow24(float a) {
     uint32_t u = bits_of(a);
     int32_t field = (int32_t)(u >> 23);
-    int32_t k = field - 127;
     float m = float_of((u & 0x7FFFFFu) | 0x3F800000u);
-    int32_t q = (int32_t)floorf(((float)k + 0.5f) * 0.2f);
-    int32_t r = k - 5 * q;
-    /* 2**(0.4 r) from the bits of r (a select chain would become a table) */
-    float root = ((r & 1) ? 1.31950791077289f : 1.0f) *
-                 ((r & 2) ? 1.74110112659225f : 1.0f) *
-                 ((r & 4) ? 3.03143313302079f : 1.0f);
+    /* k + 640 = field + 513 in [513, 768]: q + 128 = floor((k + 640) / 5)
+     * by a multiply and a shift (exact below 2**16) */
+    int32_t shifted = field + 513;
+    int32_t q128 = (int32_t)(((uint32_t)shifted * 52429u) >> 18);
+    int32_t r = shifted - 5 * q128;
+    /* 2**(0.4 r), r in [0, 4], by selects on its bits (a switch would
+     * become a table: a gather, slower) */
+    float odd = (r & 1) ? 1.3195079107728942f : 1.0f;      /* r = 1 : 0 */
+    float odd2 = (r & 1) ? 2.2973967099940698f : 1.7411011265922482f; /* 3 : 2 */
+    float root = (r & 2) ? odd2 : odd;
+    root = r == 4 ? 3.0314331330207964f : root;
     float t = sqrtf(m) - 1.2071068f;
     float p = 0.005249457433819771f;
     p = p * t - 0.009831152856349945f;
@@ -22,9 +26,9 @@ ALWAYS_INLINE float pow24(float a) {
     p = p * t - 0.06382248550653458f;
     p = p * t + 0.7704436182975769f;
     p = p * t + 1.1625096797943115f;
-    float four_q = float_of((uint32_t)(2 * q + 127) << 23);
+    float four_q = float_of((uint32_t)(2 * q128 - 129) << 23); /* 4 ** q */
     float out = (a * a) * (p * root * four_q);
-    return field == 0 ? 0.0f : out; /* zero or subnormal: below 2**-300 */
+    return out; /* zero or subnormal a: a * a is 0 */
 }
 
 ALWAYS_INLINE float error_power(float a, int kind, float norm) {
@@ -54,9 +58,14 @@ ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind
 ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, float zp,
                                Format f, int kind, int has_zp, int is_float) {
     double total = 0.0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < g; ++i)
-        total += (double)element_error(x[i], s, zp, f, kind, has_zp, is_float);
+    for (int64_t i0 = 0; i0 < g; i0 += 128) {
+        int64_t i1 = g - i0 < 128 ? g : i0 + 128;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t i = i0; i < i1; ++i)
+            part += element_error(x[i], s, zp, f, kind, has_zp, is_float);
+        total += (double)part;
+    }
     return total;
 }
 
