@@ -42,9 +42,12 @@ typedef struct {
     int mantissa_bits, emin;
 } Format;
 
-ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind,
-                                  int has_zp, int is_float) {
-    float v = x / s;
+/* |fake_quant(x) - x| ** norm; fast: x * (1 / s) (inverse) instead of x / s,
+ * within 1.5 ulp of it: a value's level changes only within an ulp of a
+ * rounding midpoint, where both levels' errors are equal to an ulp */
+ALWAYS_INLINE float element_error(float x, float s, float inverse, float zp, Format f,
+                                  int kind, int has_zp, int is_float, int fast) {
+    float v = fast ? x * inverse : x / s;
     if (has_zp) v = v + zp;
     v = v < f.qmin ? f.qmin : v;
     v = v > f.qmax ? f.qmax : v;
@@ -54,16 +57,20 @@ ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind
     return error_power(fabsf(d), kind, f.norm);
 }
 
-/* sum over one row x[0..g) of the error of candidate (s, zp) */
+/* sum over one row x[0..g) of the error of candidate (s, zp): float32 sums
+ * of 128 values (relative error below 2**-20), added in float64 */
 ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, float zp,
-                               Format f, int kind, int has_zp, int is_float) {
+                               Format f, int kind, int has_zp, int is_float,
+                               int fast) {
+    float inverse = 1.0f / s;
     double total = 0.0;
     for (int64_t i0 = 0; i0 < g; i0 += 128) {
         int64_t i1 = g - i0 < 128 ? g : i0 + 128;
         float part = 0.0f;
 #pragma omp simd reduction(+ : part)
         for (int64_t i = i0; i < i1; ++i)
-            part += element_error(x[i], s, zp, f, kind, has_zp, is_float);
+            part += element_error(x[i], s, inverse, zp, f, kind, has_zp, is_float,
+                                  fast);
         total += (double)part;
     }
     return total;
@@ -99,15 +106,15 @@ ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
                                const float *scale, const float *zero_point,
                                Skip skip, const Format *f, double *out, int64_t r0,
                                int64_t r1, int64_t j0, int64_t j1, int kind,
-                               int has_zp, int is_float) {
+                               int has_zp, int is_float, int fast) {
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = j0; j < j1; ++j) {
             const float *row = x + (r * q + j) * g;
             for (int64_t k = 0; k < c; ++k) {
                 if (skipped(skip, scale, zero_point, q, k, j)) continue;
                 float zp = has_zp ? zero_point[k * q + j] : 0.0f;
-                out[k * q + j] +=
-                    row_error(row, g, scale[k * q + j], zp, *f, kind, has_zp, is_float);
+                out[k * q + j] += row_error(row, g, scale[k * q + j], zp, *f, kind,
+                                            has_zp, is_float, fast);
             }
         }
 }
@@ -116,25 +123,29 @@ typedef void (*Scorer)(const float *, int64_t, int64_t, int64_t, const float *,
                        const float *, Skip, const Format *, double *, int64_t, int64_t,
                        int64_t, int64_t);
 
-/* one copy of score_block per (error power, zero point, float format), each
- * with its ISA clones (an AVX-512 one too: QO_WIDE_CLONES): the hot loops of
- * qo_mse_errors and qo_mse_block are all in here */
-#define SCORER(KIND, ZP, FLOAT)                                                      \
-    QO_WIDE_CLONES static void score_##KIND##_##ZP##_##FLOAT(                        \
+/* one copy of score_block per (error power, zero point, float format, fast
+ * division), each with its ISA clones (an AVX-512 one too: QO_WIDE_CLONES):
+ * the hot loops of qo_mse_errors (exact division) and qo_mse_block (fast)
+ * are all in here */
+#define SCORER(KIND, ZP, FLOAT, FAST)                                                \
+    QO_WIDE_CLONES static void score_##KIND##_##ZP##_##FLOAT##_##FAST(               \
         const float *x, int64_t q, int64_t g, int64_t c, const float *scale,        \
         const float *zero_point, Skip skip, const Format *f, double *out,           \
         int64_t r0, int64_t r1, int64_t j0, int64_t j1) {                            \
         score_block(x, q, g, c, scale, zero_point, skip, f, out, r0, r1, j0, j1,     \
-                    KIND, ZP, FLOAT);                                                \
+                    KIND, ZP, FLOAT, FAST);                                          \
     }
-SCORER(0, 0, 0) SCORER(0, 0, 1) SCORER(0, 1, 0) SCORER(0, 1, 1)
-SCORER(1, 0, 0) SCORER(1, 0, 1) SCORER(1, 1, 0) SCORER(1, 1, 1)
-SCORER(2, 0, 0) SCORER(2, 0, 1) SCORER(2, 1, 0) SCORER(2, 1, 1)
+#define SCORERS_OF(KIND, FAST)                                                       \
+    SCORER(KIND, 0, 0, FAST)                                                         \
+    SCORER(KIND, 0, 1, FAST) SCORER(KIND, 1, 0, FAST) SCORER(KIND, 1, 1, FAST)
+SCORERS_OF(0, 0) SCORERS_OF(1, 0) SCORERS_OF(2, 0)
+SCORERS_OF(0, 1) SCORERS_OF(1, 1) SCORERS_OF(2, 1)
 
-static const Scorer SCORERS[12] = {
-    score_0_0_0, score_0_0_1, score_0_1_0, score_0_1_1,
-    score_1_0_0, score_1_0_1, score_1_1_0, score_1_1_1,
-    score_2_0_0, score_2_0_1, score_2_1_0, score_2_1_1,
+#define ROW_OF(KIND, FAST)                                                           \
+    score_##KIND##_0_0_##FAST, score_##KIND##_0_1_##FAST, score_##KIND##_1_0_##FAST, \
+        score_##KIND##_1_1_##FAST
+static const Scorer SCORERS[24] = {
+    ROW_OF(0, 0), ROW_OF(1, 0), ROW_OF(2, 0), ROW_OF(0, 1), ROW_OF(1, 1), ROW_OF(2, 1),
 };
 
 /* out (c, q) = the errors of candidates (scale, zero_point) (c, q); the
@@ -142,11 +153,11 @@ static const Scorer SCORERS[12] = {
 static void score_table(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
                        const float *scale, const float *zero_point, Skip skip,
                        float qmin, float qmax, int is_float, int mantissa_bits,
-                       int emin, float norm, double *out, int threads) {
+                       int emin, float norm, int fast, double *out, int threads) {
     Format f = {qmin, qmax, norm, mantissa_bits, emin};
     int kind = norm == 2.4f ? 1 : (norm == 2.0f ? 2 : 0);
     int has_zp = zero_point != NULL;
-    Scorer score = SCORERS[kind * 4 + has_zp * 2 + (is_float != 0)];
+    Scorer score = SCORERS[(fast != 0) * 12 + kind * 4 + has_zp * 2 + (is_float != 0)];
     for (int64_t k = 0; k < c; ++k)
         for (int64_t j = 0; j < q; ++j)
             if (!skipped(skip, scale, zero_point, q, k, j)) out[k * q + j] = 0.0;
@@ -185,7 +196,7 @@ void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
                    float norm, double *out, int threads) {
     Skip none = {NULL, -1};
     score_table(x, n, q, g, c, scale, zero_point, none, qmin, qmax, is_float,
-                mantissa_bits, emin, norm, out, threads);
+                mantissa_bits, emin, norm, 0, out, threads);
 }
 
 /* ------------------------------------------- llm-compressor's search order
@@ -201,8 +212,9 @@ ALWAYS_INLINE int near(double a, double b, double tolerance) {
     return fabs(a - b) <= (a > b ? a : b) * tolerance;
 }
 
-/* Scores candidates [c0, c1) of the table: those of exact qparams are left
- * as they are, repeated candidates copy their predecessor's error. */
+/* Scores candidates [c0, c1) of the table (fast division: x * (1 / s)):
+ * those of exact qparams are left as they are, repeated candidates copy
+ * their predecessor's error. */
 void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
                   int64_t c1, const float *scale, const float *zero_point, float qmin,
                   float qmax, int is_float, int mantissa_bits, int emin, float norm,
@@ -211,7 +223,7 @@ void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
     Skip skip = {exact, c0};
     const float *zp = zero_point ? zero_point + c0 * q : NULL;
     score_table(x, n, q, g, c1 - c0, scale + c0 * q, zp, skip, qmin, qmax, is_float,
-                mantissa_bits, emin, norm, errors + c0 * q, threads);
+                mantissa_bits, emin, norm, 1, errors + c0 * q, threads);
     for (int64_t i = c0 > 0 ? c0 : 1; i < c1; ++i) /* in order: chains of repeats */
         for (int64_t j = 0; j < q; ++j)
             if (!exact[j] && same_qparams(scale, zero_point, q, i, i - 1, j))
