@@ -42,7 +42,11 @@ def _table(
 )
 @pytest.mark.parametrize(
     "kwargs",
-    [{"num_bits": 4}, {"num_bits": 4, "symmetric": False}, {"num_bits": 8, "type": "float"}],
+    [
+        {"num_bits": 4},
+        {"num_bits": 4, "symmetric": False},
+        {"num_bits": 8, "type": "float"},
+    ],
     ids=["int4", "int4-asym", "fp8"],
 )
 def test_block_scores_skip_exact_qparams_and_copy_repeats(
@@ -187,7 +191,7 @@ def test_an_undecided_candidate_marks_its_near_qparams() -> None:
 
 
 def test_table_shapes_are_checked() -> None:
-    x3, args, scale, zero_point = _table((1, 4, 16), {"num_bits": 4})
+    x3, args, scale, _ = _table((1, 4, 16), {"num_bits": 4})
     exact = torch.zeros(4, dtype=torch.bool)
     table = torch.zeros(20, 4, dtype=torch.float64)
     with pytest.raises(ValueError):

@@ -38,14 +38,16 @@
  *     round is half-to-even to an integer (int formats) or to the grid of a
  *     signed float format (mantissa_bits, emin: the exponent of its smallest
  *     normal). norm 2.4 uses pow24 (relative error below 3e-7, against 1 ulp
- *     for powf) and norm 2 squares; other norms call powf. Sums are float64.
+ *     for powf) and norm 2 squares; other norms call powf. Sums: float32 over
+ *     each 128 values of a row, float64 across.
  *   qo_pow24: pow24 over an array (for the tests).
  *   qo_mse_block, qo_mse_rows, qo_mse_marks: llm-compressor's grid search in
  *     blocks of candidates over one errors table (quantobs.solvers.mse_ties):
- *     the block's errors (repeated candidates copied, qparams whose errors
- *     are torch's left as they are); the comparisons of each candidate with
- *     the least error before it (which improve, which are decided); the
- *     qparams whose near errors may order candidates otherwise than torch's.
+ *     the block's errors (qo_mse_errors' with x * (1 / s) for x / s, as the
+ *     Triton searches; repeated candidates copied, qparams whose errors are
+ *     torch's left as they are); the comparisons of each candidate with the
+ *     least error before it (which improve, which are decided); the qparams
+ *     whose near errors may order candidates otherwise than torch's.
  *
  * qo_search.c (histogram searches)
  *   qo_torch_l2_terms: the per-bin terms of torch.ao's histogram L2 error.

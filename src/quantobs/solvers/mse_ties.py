@@ -3,33 +3,39 @@
 llm-compressor scores each shrink candidate with torch in float32 (`pow`,
 then a float32 sum per qparam) and keeps a candidate only where its error is
 strictly below the best so far; its early stop counts the candidates that
-improve no qparam. The native kernel (`quantobs.native.mse_errors`) computes
-`|err| ** 2.4` with its own polynomial and sums in float64: its errors differ
-from torch's by about 1e-6 relative (measured on MiniLM's weights: at most
-1.1e-6), so where two candidates' errors are closer than that, it may order
-them the other way (1 of the 84,096 groups of MiniLM's W4A16 weights: two
-candidates whose float32 errors are equal to the last bit).
+improve no qparam. The native kernel (`quantobs.native.mse_block`) computes
+`|err| ** 2.4` with its own polynomial, `x * (1 / scale)` and its own sums:
+its errors differ from torch's by about 1e-6 relative (measured on MiniLM's
+weights: at most 1.1e-6), so where two candidates' errors are closer than
+that, it may order them the other way (1 of the 84,096 groups of MiniLM's
+W4A16 weights: two candidates whose float32 errors are equal to the last
+bit).
 
-`LlmCompressorErrors` makes every comparison the search makes come out as
-torch's does, at little cost:
+`LlmCompressorErrors` makes the choice and the early stop torch's, at little
+cost. It keeps one `(C, Q)` errors table, filled block by block by the C
+kernels (`quantobs.native.mse_block`, `mse_rows`, `mse_marks`):
 
 * a candidate whose qparams (scale, zero point) equal those of the candidate
   before it has the same error in every arithmetic: it gets exactly that
-  error (MX's power-of-two scales repeat over most of the shrink grid);
-* every other comparison of a candidate's error with the best error before
-  it whose two sides lie within `tolerance` (relative) of each other marks
-  its qparam; marked qparams are scored again with the torch kernels, for
-  every candidate, and keep the torch errors from then on.
+  error, unscored (MX's power-of-two scales repeat over most of the grid);
+* two errors are *near* where they lie within `tolerance` (relative) of each
+  other; only then may the kernel order them otherwise than torch;
+* a qparam is scored again with torch, for every candidate (and keeps those
+  errors), only where a near comparison can change an outcome: its first
+  least error is near another candidate's (among those scored before the
+  early stop), or it compares near the least error before it at a candidate
+  whose "improves some qparam" (the early stop's count) no clear comparison
+  of another qparam decides. Elsewhere every comparison is clear, so the
+  kernel's order is torch's.
 
 `tolerance` is 2**-16 (1.5e-5: 14 times the largest measured difference),
 growing with the log of the values per qparam for long float32 sums. The
-check runs once the kernel's errors say the search ends (`settle`), and
-again only if the corrected errors let it go on. Where the native kernels
-are off or the data is not on the CPU the errors are torch's already and
-nothing is re-scored. Measured on MiniLM's linear weights (one thread):
-0.5% of the W4A16 groups are re-scored (0.4% W4A16_ASYM, 0.1% NVFP4, 0.03%
-W8A8 channels, 1 MXFP4 group of 336,384), adding 10-20% to the search's
-time, which stays 5-7 times faster than llm-compressor's.
+marks are made once the kernel's errors say the search ends (`settle`), and
+again after each re-scoring, until none is left. Where the native kernels
+are off, the data is not on the CPU or the kernel does not take the format
+or norm, the errors are torch's already and nothing is re-scored. Measured
+on MiniLM's linear weights: 0.24% of the W4A16 groups are re-scored (0.19%
+W4A16_ASYM, 0.06% NVFP4, 0.03% W8A8 channels, 1 MXFP4 group of 336,384).
 """
 
 from __future__ import annotations
