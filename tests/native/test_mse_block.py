@@ -151,11 +151,15 @@ def _near_table(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_rows_and_marks_are_the_loops(seed: int) -> None:
     errors, scale, exact = _near_table(seed)
     least = torch.empty(errors.shape[1], dtype=torch.float64)
+    running = torch.empty(errors.shape[1], dtype=torch.int64)
     flags = torch.zeros(errors.shape[0], dtype=torch.uint8)
-    native.mse_rows(errors, scale, None, exact, _TOL, least, flags, 0, 5)
-    native.mse_rows(errors, scale, None, exact, _TOL, least, flags, 5, 12)
+    for start, stop in ((0, 5), (5, 12)):
+        native.mse_rows(
+            errors, scale, None, exact, _TOL, least, running, flags, start, stop
+        )
     want_least, want_flags = _rows_loop(errors, scale, exact)
     assert torch.equal(least, want_least)
+    assert torch.equal(running, torch.argmin(errors, dim=0))
     assert flags.tolist() == want_flags
     assert any(not f & 2 for f in want_flags)  # the table has undecided rows
     for end in (1, 4, 12):
@@ -164,6 +168,32 @@ def test_rows_and_marks_are_the_loops(seed: int) -> None:
         assert torch.equal(best, want_best)
         assert torch.equal(marks, want_marks)
     assert bool(marks.any()) and not bool(marks[exact].any())
+    # the winners of mse_rows given: the same marks
+    _, given = native.mse_marks(errors, scale, None, exact, _TOL, flags, 12, running)
+    assert torch.equal(given, marks)
+
+
+def test_comparisons_split_across_threads_are_one_pass() -> None:
+    # more qparams than one piece of the kernels' work (2048 columns)
+    gen = torch.Generator().manual_seed(7)
+    errors = torch.rand(6, 5000, generator=gen, dtype=torch.float64) + 1.0
+    errors[1:] = torch.where(
+        torch.rand(5, 5000, generator=gen) < 0.5,
+        errors[:-1] * (1 + _TOL / 4),
+        errors[1:],
+    )
+    errors[2, :4900] = 9.0  # the improvements of candidate 2: in the last piece
+    scale = torch.rand(6, 5000, generator=gen)
+    exact = torch.zeros(5000, dtype=torch.bool)
+    least = torch.empty(5000, dtype=torch.float64)
+    running = torch.empty(5000, dtype=torch.int64)
+    flags = torch.zeros(6, dtype=torch.uint8)
+    native.mse_rows(errors, scale, None, exact, _TOL, least, running, flags, 0, 6)
+    want_least, want_flags = _rows_loop(errors, scale, exact)
+    assert torch.equal(least, want_least) and flags.tolist() == want_flags
+    best, marks = native.mse_marks(errors, scale, None, exact, _TOL, flags, 6)
+    want_best, want_marks = _marks_loop(errors, scale, exact, want_flags, 6)
+    assert torch.equal(best, want_best) and torch.equal(marks, want_marks)
 
 
 def test_an_undecided_candidate_marks_its_near_qparams() -> None:
@@ -176,15 +206,16 @@ def test_an_undecided_candidate_marks_its_near_qparams() -> None:
     scale = torch.arange(8.0).reshape(4, 2)
     exact = torch.zeros(2, dtype=torch.bool)
     least = torch.empty(2, dtype=torch.float64)
+    running = torch.empty(2, dtype=torch.int64)
     flags = torch.zeros(4, dtype=torch.uint8)
-    native.mse_rows(errors, scale, None, exact, _TOL, least, flags, 0, 4)
+    native.mse_rows(errors, scale, None, exact, _TOL, least, running, flags, 0, 4)
     assert flags.tolist() == [3, 3, 1, 2]  # 2 improves, undecided; 3 does not
     best, marks = native.mse_marks(errors, scale, None, exact, _TOL, flags, 4)
     assert best.tolist() == [2, 0]
     assert marks.tolist() == [True, False]
     # torch's errors for qparam 0 decide it
     exact[0] = True
-    native.mse_rows(errors, scale, None, exact, _TOL, least, flags, 0, 4)
+    native.mse_rows(errors, scale, None, exact, _TOL, least, running, flags, 0, 4)
     assert flags.tolist() == [3, 3, 3, 2]
     _, marks = native.mse_marks(errors, scale, None, exact, _TOL, flags, 4)
     assert not bool(marks.any())
@@ -202,6 +233,7 @@ def test_table_shapes_are_checked() -> None:
         native.mse_block(x3, scale, None, args.format, 3.0, exact, table, 0, 5)
     with pytest.raises(ValueError):
         native.mse_rows(
-            table.float(), scale, None, exact, _TOL, table[0], table[:, 0], 0, 5
-        )
+            table.float(), scale, None, exact, _TOL, table[0],
+            torch.zeros(4, dtype=torch.int64), table[:, 0], 0, 5,
+        )  # fmt: skip
     assert not native.mse_block_supported(x3[..., :4], args.format, 2.4)

@@ -197,6 +197,7 @@ def mse_rows(
     exact: torch.Tensor,
     tolerance: float,
     least: torch.Tensor,
+    best: torch.Tensor,
     flags: torch.Tensor,
     start: int,
     stop: int,
@@ -205,22 +206,25 @@ def mse_rows(
 
     Each candidate's error against the least error of the candidates before
     it, per qparam: `least` `(Q,)` float64 holds the running least errors
-    (candidate 0 sets them); `flags` `(C,)` uint8 gets, per candidate, bit 0
-    where some qparam improves (its error is below the least) and bit 1
-    where that is decided whatever the near errors' order: some qparam
-    improves clearly (its two errors not near, or torch's), or none is near
-    (within `tolerance`, relative; a repeated candidate's comparison is
-    exact).
+    and `best` `(Q,)` int64 their candidates (`torch.argmin`'s: the first
+    minimum); candidate 0 sets them. `flags` `(C,)` uint8 gets, per
+    candidate, bit 0 where some qparam improves (its error is below the
+    least) and bit 1 where that is decided whatever the near errors' order:
+    some qparam improves clearly (its two errors not near, or torch's), or
+    none is near (within `tolerance`, relative; a repeated candidate's
+    comparison is exact).
     """
     _check_table(errors, scale, zero_point, exact)
     q = errors.shape[1]
     if least.dtype != torch.float64 or tuple(least.shape) != (q,):
         raise ValueError(f"least must be ({q},) float64")
+    if best.dtype != torch.int64 or tuple(best.shape) != (q,):
+        raise ValueError(f"best must be ({q},) int64")
     if flags.dtype != torch.uint8 or tuple(flags.shape) != (errors.shape[0],):
         raise ValueError(f"flags must be ({errors.shape[0]},) uint8")
     if not 0 <= start <= stop <= errors.shape[0]:
         raise ValueError("mse_rows: candidates out of the table")
-    loaded().qo_mse_rows(
+    failed = loaded().qo_mse_rows(
         errors.data_ptr(),
         q,
         start,
@@ -230,8 +234,12 @@ def mse_rows(
         exact.data_ptr(),
         tolerance,
         least.data_ptr(),
+        best.data_ptr(),
         flags.data_ptr(),
+        threads(q * (stop - start) * 16),
     )
+    if failed:
+        raise MemoryError("mse_rows: out of memory")
 
 
 def mse_marks(
@@ -242,6 +250,7 @@ def mse_marks(
     tolerance: float,
     flags: torch.Tensor,
     end: int,
+    best: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first least error of each qparam among candidates `[0, end)`, and
     the qparams whose kernel errors may choose otherwise than torch's.
@@ -250,11 +259,12 @@ def mse_marks(
     `tolerance`) at a candidate whose `flags` (of `mse_rows`) say undecided,
     and one whose least error is near that of another candidate with other
     qparams. Elsewhere the kernel's errors order the candidates as torch's
-    do.
+    do. `best`: the candidates of the first least errors when known (those
+    of `mse_rows` over the same `end` candidates), else found here.
 
     Returns:
-        `(Q,)` int64 candidate of the first least error (`torch.argmin`'s),
-        and the `(Q,)` bool marks.
+        `(Q,)` int64 candidate of the first least error (`torch.argmin`'s;
+        `best` itself where given), and the `(Q,)` bool marks.
     """
     _check_table(errors, scale, zero_point, exact)
     q = errors.shape[1]
@@ -262,9 +272,13 @@ def mse_marks(
         raise ValueError(f"flags must be ({errors.shape[0]},) uint8")
     if not 1 <= end <= errors.shape[0]:
         raise ValueError("mse_marks: candidates out of the table")
-    best = torch.empty(q, dtype=torch.int64)
+    known = best is not None
+    if best is None:
+        best = torch.empty(q, dtype=torch.int64)
+    elif best.dtype != torch.int64 or tuple(best.shape) != (q,):
+        raise ValueError(f"best must be ({q},) int64")
     marks = torch.zeros(q, dtype=torch.bool)
-    count = loaded().qo_mse_marks(
+    loaded().qo_mse_marks(
         errors.data_ptr(),
         q,
         end,
@@ -273,9 +287,9 @@ def mse_marks(
         exact.data_ptr(),
         tolerance,
         flags.data_ptr(),
+        int(known),
         best.data_ptr(),
         marks.data_ptr(),
+        threads(q * end * 16),
     )
-    if count < 0:
-        raise MemoryError("mse_marks: out of memory")
     return best, marks

@@ -212,14 +212,15 @@ QO_API void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_
                          float qmin, float qmax, int is_float, int mantissa_bits,
                          int emin, float norm, const uint8_t *exact, double *errors,
                          int threads);
-QO_API void qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
-                        const float *scale, const float *zero_point,
-                        const uint8_t *exact, double tolerance, double *least,
-                        uint8_t *flags);
+QO_API int64_t qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                           const float *scale, const float *zero_point,
+                           const uint8_t *exact, double tolerance, double *least,
+                           int64_t *best, uint8_t *flags, int threads);
 QO_API int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end,
                             const float *scale, const float *zero_point,
                             const uint8_t *exact, double tolerance,
-                            const uint8_t *flags, int64_t *best, uint8_t *marks);
+                            const uint8_t *flags, int known, int64_t *best,
+                            uint8_t *marks, int threads);
 
 /* qo_search.c */
 QO_API int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared,

@@ -230,21 +230,28 @@ void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
                 errors[i * q + j] = errors[(i - 1) * q + j];
 }
 
-/* llm-compressor's comparisons of candidates [c0, c1): each error against
- * the least error of the candidates before it, per qparam. least (Q,): the
- * running least errors (set by candidate 0; a NaN stays, as torch.minimum's).
- * flags[i]: bit 0, some qparam improves (its error is below the least);
- * bit 1, that is decided: some qparam improves clearly (not near the least,
- * or exact), or none compares near (the repeats' comparisons are exact).
- * Branch-free loops: they vectorize. */
-QO_CLONES void qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
-                 const float *scale, const float *zero_point, const uint8_t *exact,
-                 double tolerance, double *least, uint8_t *flags) {
+/* Columns (qparams) per piece of the comparisons' work: the pieces run
+ * apart (OpenMP), each over its columns of every row. */
+#define QO_COLUMNS 2048
+
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* qo_mse_rows over columns [j0, j1); bits[i - c0]: bit 0, some column
+ * improves; bit 1, one improves clearly; bit 2, one compares near */
+ALWAYS_INLINE void rows_piece(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                              const float *scale, const float *zero_point,
+                              const uint8_t *exact, double tolerance, double *least,
+                              int64_t *best, uint8_t *bits, int64_t j0, int64_t j1) {
     for (int64_t i = c0; i < c1; ++i) {
         const double *row = errors + i * q;
         if (i == 0) {
-            memcpy(least, row, sizeof(double) * (size_t)q);
-            flags[0] = 3;
+            for (int64_t j = j0; j < j1; ++j) least[j] = row[j], best[j] = 0;
             continue;
         }
         const float *s = scale + i * q, *sp = s - q;
@@ -252,7 +259,7 @@ QO_CLONES void qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t 
         const float *zp = zero_point ? z - q : s;
         int improved = 0, clear = 0, close = 0;
 #pragma omp simd reduction(| : improved, clear, close)
-        for (int64_t j = 0; j < q; ++j) {
+        for (int64_t j = j0; j < j1; ++j) {
             double e = row[j], b = least[j];
             int below = e < b;
             int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
@@ -260,69 +267,153 @@ QO_CLONES void qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t 
             close |= tight;
             clear |= below & !tight;
             improved |= below;
-            least[j] = below | (e != e) ? e : b;
+            int wins = below | ((e != e) & (b == b)); /* torch.argmin's NaN */
+            least[j] = wins ? e : b;
+            best[j] = wins ? i : best[j];
         }
-        flags[i] = (uint8_t)(improved | ((clear | !close) << 1));
+        bits[i - c0] |= (uint8_t)(improved | (clear << 1) | (close << 2));
     }
+}
+
+QO_CLONES static void rows_pieces(const double *errors, int64_t q, int64_t c0,
+                                  int64_t c1, const float *scale,
+                                  const float *zero_point, const uint8_t *exact,
+                                  double tolerance, double *least, int64_t *best,
+                                  uint8_t *bits, int threads) {
+    int64_t pieces = (q + QO_COLUMNS - 1) / QO_COLUMNS, rows = c1 - c0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < pieces; ++k) {
+        int64_t j0 = k * QO_COLUMNS, j1 = j0 + QO_COLUMNS < q ? j0 + QO_COLUMNS : q;
+        rows_piece(errors, q, c0, c1, scale, zero_point, exact, tolerance, least, best,
+                   bits + (int64_t)thread_index() * rows, j0, j1);
+    }
+}
+
+/* llm-compressor's comparisons of candidates [c0, c1): each error against
+ * the least error of the candidates before it, per qparam. least (Q,): the
+ * running least errors (set by candidate 0; a NaN stays, as torch.minimum's)
+ * and best (Q,) their candidates (torch.argmin's: the first minimum, the
+ * first NaN). flags[i]: bit 0, some qparam improves (its error is below the
+ * least); bit 1, that is decided: some qparam improves clearly (not near the
+ * least, or exact), or none compares near (the repeats' comparisons are
+ * exact). Returns 1 if out of memory (nothing done), else 0. */
+int64_t qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                    const float *scale, const float *zero_point, const uint8_t *exact,
+                    double tolerance, double *least, int64_t *best, uint8_t *flags,
+                    int threads) {
+    if (c1 <= c0) return 0;
+    int64_t rows = c1 - c0;
+    threads = threads < 1 ? 1 : threads;
+    uint8_t *bits = calloc((size_t)(threads * rows), 1); /* one slice per thread */
+    if (!bits) return 1;
+    rows_pieces(errors, q, c0, c1, scale, zero_point, exact, tolerance, least, best,
+                bits, threads);
+    for (int64_t r = 0; r < rows; ++r) {
+        int any = 0;
+        for (int t = 0; t < threads; ++t) any |= bits[t * rows + r];
+        int improved = any & 1, clear = (any >> 1) & 1, close = (any >> 2) & 1;
+        flags[c0 + r] = c0 + r == 0 ? 3 : (uint8_t)(improved | ((clear | !close) << 1));
+    }
+    free(bits);
+    return 0;
+}
+
+/* qo_mse_marks over columns [j0, j1); returns how many it marked */
+ALWAYS_INLINE int64_t marks_piece(const double *errors, int64_t q, int64_t end,
+                                  int64_t reach, const float *scale,
+                                  const float *zero_point, const uint8_t *exact,
+                                  double tolerance, const uint8_t *flags, int known,
+                                  int64_t *best, uint8_t *marks, int64_t j0,
+                                  int64_t j1) {
+    double least[QO_COLUMNS];
+    float ws[QO_COLUMNS], wz[QO_COLUMNS]; /* the winners' qparams */
+    int64_t width = j1 - j0;
+    /* the running least (and, unless known, the winners) up to the last
+     * undecided candidate: qparams near it there */
+    for (int64_t j = 0; j < width; ++j) {
+        least[j] = errors[j0 + j];
+        if (!known) best[j0 + j] = 0;
+    }
+    for (int64_t i = 1; i < reach; ++i) {
+        const double *row = errors + i * q + j0;
+        const float *s = scale + i * q + j0, *sp = s - q;
+        const float *z = zero_point ? zero_point + i * q + j0 : s;
+        const float *zp = zero_point ? z - q : s;
+        int undecided = !(flags[i] & 2);
+        int64_t *bi = best + j0;
+        uint8_t *mj = marks + j0;
+        const uint8_t *ex = exact + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) {
+            double e = row[j], b = least[j];
+            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
+            mj[j] |= undecided & near(e, b, tolerance) & !ex[j] & !repeat;
+            int wins = (e < b) | ((e != e) & (b == b));
+            least[j] = wins ? e : b;
+            if (!known) bi[j] = wins ? i : bi[j];
+        }
+    }
+    /* a winner near another candidate (one of other qparams: equal errors
+     * in every arithmetic) */
+    for (int64_t j = 0; j < width; ++j) {
+        int64_t w = best[j0 + j] * q + j0 + j;
+        least[j] = errors[w];
+        ws[j] = scale[w];
+        wz[j] = zero_point ? zero_point[w] : ws[j];
+    }
+    for (int64_t i = 0; i < end; ++i) {
+        const double *row = errors + i * q + j0;
+        const float *s = scale + i * q + j0;
+        const float *z = zero_point ? zero_point + i * q + j0 : s;
+        uint8_t *mj = marks + j0;
+        const uint8_t *ex = exact + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) {
+            int same = (s[j] == ws[j]) & (z[j] == wz[j]);
+            mj[j] |= near(row[j], least[j], tolerance) & !ex[j] & !same;
+        }
+    }
+    int64_t count = 0;
+    for (int64_t j = j0; j < j1; ++j) count += marks[j] != 0;
+    return count;
+}
+
+QO_CLONES static int64_t marks_pieces(const double *errors, int64_t q, int64_t end,
+                                      int64_t reach, const float *scale,
+                                      const float *zero_point, const uint8_t *exact,
+                                      double tolerance, const uint8_t *flags,
+                                      int known, int64_t *best, uint8_t *marks,
+                                      int threads) {
+    int64_t pieces = (q + QO_COLUMNS - 1) / QO_COLUMNS, count = 0;
+#pragma omp parallel for schedule(static) reduction(+ : count) num_threads(threads)
+    for (int64_t k = 0; k < pieces; ++k) {
+        int64_t j0 = k * QO_COLUMNS, j1 = j0 + QO_COLUMNS < q ? j0 + QO_COLUMNS : q;
+        count += marks_piece(errors, q, end, reach, scale, zero_point, exact,
+                             tolerance, flags, known, best, marks, j0, j1);
+    }
+    return count;
 }
 
 /* The qparams whose kernel errors may decide llm-compressor's choice
  * otherwise than torch's, over the first `end` candidates (those it scores
  * before its early stop): those near the least at an undecided candidate
  * (flags, of qo_mse_rows) and those whose first least error (best (Q,):
- * its candidate, torch.argmin's) is near another candidate's of other
- * qparams. Sets marks[j] = 1 for them (exact ones never); returns how many
- * it set, -1 if out of memory. */
-QO_CLONES int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end,
-                               const float *scale, const float *zero_point,
-                               const uint8_t *exact, double tolerance,
-                               const uint8_t *flags, int64_t *best, uint8_t *marks) {
-    double *least = malloc(sizeof(double) * (size_t)q);
-    float *won = malloc(sizeof(float) * (size_t)(2 * q)); /* the winners' qparams */
-    if (!least || !won) {
-        free(least);
-        free(won);
-        return -1;
+ * its candidate, torch.argmin's; given where `known`, from qo_mse_rows over
+ * the same `end` candidates) is near another candidate's of other qparams.
+ * Sets marks[j] = 1 for them (exact ones never); returns how many are
+ * marked. */
+int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end, const float *scale,
+                     const float *zero_point, const uint8_t *exact, double tolerance,
+                     const uint8_t *flags, int known, int64_t *best, uint8_t *marks,
+                     int threads) {
+    int64_t reach = end; /* the running least: to the last undecided candidate */
+    if (known) {
+        reach = 0;
+        for (int64_t i = 1; i < end; ++i)
+            if (!(flags[i] & 2)) reach = i + 1;
     }
-    /* the winners: torch.argmin (the first minimum; the first NaN) */
-    for (int64_t j = 0; j < q; ++j) least[j] = errors[j], best[j] = 0;
-    for (int64_t i = 1; i < end; ++i) {
-        const double *row = errors + i * q;
-        const float *s = scale + i * q, *sp = s - q;
-        const float *z = zero_point ? zero_point + i * q : s;
-        const float *zp = zero_point ? z - q : s;
-        int undecided = !(flags[i] & 2);
-#pragma omp simd
-        for (int64_t j = 0; j < q; ++j) {
-            double e = row[j], b = least[j];
-            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
-            marks[j] |= undecided & near(e, b, tolerance) & !exact[j] & !repeat;
-            int wins = (e < b) | ((e != e) & (b == b));
-            least[j] = wins ? e : b;
-            best[j] = wins ? i : best[j];
-        }
-    }
-    /* a winner near another candidate (one of other qparams: equal errors
-     * in every arithmetic) */
-    float *ws = won, *wz = zero_point ? won + q : won;
-    for (int64_t j = 0; j < q; ++j) {
-        ws[j] = scale[best[j] * q + j];
-        if (zero_point) wz[j] = zero_point[best[j] * q + j];
-    }
-    for (int64_t i = 0; i < end; ++i) {
-        const double *row = errors + i * q;
-        const float *s = scale + i * q, *z = zero_point ? zero_point + i * q : s;
-#pragma omp simd
-        for (int64_t j = 0; j < q; ++j) {
-            int same = (s[j] == ws[j]) & (z[j] == wz[j]);
-            marks[j] |= near(row[j], least[j], tolerance) & !exact[j] & !same;
-        }
-    }
-    free(least);
-    free(won);
-    int64_t count = 0;
-    for (int64_t j = 0; j < q; ++j) count += marks[j] != 0;
-    return count;
+    return marks_pieces(errors, q, end, reach, scale, zero_point, exact, tolerance,
+                        flags, known, best, marks, threads < 1 ? 1 : threads);
 }
 
 /* pow24 over an array: for the tests */

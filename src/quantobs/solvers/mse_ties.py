@@ -179,6 +179,7 @@ class LlmCompressorErrors:
         self._table = torch.empty(num_c, num_q, dtype=torch.float64)
         self._flags = torch.zeros(num_c, dtype=torch.uint8)
         self._least = torch.empty(num_q, dtype=torch.float64)
+        self._best = torch.zeros(num_q, dtype=torch.int64)
         self._done = 0
 
     def _qparams(
@@ -243,8 +244,9 @@ class LlmCompressorErrors:
             self._exact, self._table, c0, c1,
         )  # fmt: skip
         native.mse_rows(
-            self._table, *table, self.tolerance, self._least, self._flags, c0, c1
-        )
+            self._table, *table, self.tolerance, self._least, self._best,
+            self._flags, c0, c1,
+        )  # fmt: skip
         self._done = c1
         self.errors = self._table[:c1]
         return self.errors
@@ -284,15 +286,18 @@ class LlmCompressorErrors:
         while True:
             self.stopped = self.stop(patience)
             end = self._done if self.stopped is None else self.stopped
+            # the running winners are those of every candidate scored
+            known = self._best.clone() if end == self._done else None
             best, marks = native.mse_marks(
-                *table, self.tolerance, self._flags, end
+                *table, self.tolerance, self._flags, end, known
             )  # fmt: skip
             if not bool(marks.any()):
                 break
             self._mark(marks.nonzero().flatten())
             # torch's errors change the comparisons: made again from the start
             native.mse_rows(
-                *table, self.tolerance, self._least, self._flags, 0, self._done
+                *table, self.tolerance, self._least, self._best, self._flags,
+                0, self._done,
             )  # fmt: skip
         self.chosen = best
         return self.errors
