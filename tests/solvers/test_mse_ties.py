@@ -187,3 +187,68 @@ def test_marked_qparams_get_torchs_errors_bit_for_bit() -> None:
     for k in range(8):
         assert torch.equal(table._mark(torch.tensor([k]))[:, 0], full[:, k])
     assert torch.equal(table._mark(torch.tensor([1, 6])), full[:, [1, 6]])
+
+
+def test_the_tied_minilm_group_is_rescored_with_torch() -> None:
+    # candidates 3 and 14 of this group have equal float32 errors in torch:
+    # the kernel's winner is near another candidate, so torch scores it
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    w = _minilm("encoder.layer.2.output.dense.weight")
+    x_flat = flatten_for_calibration(w, "weight", QuantizationArgs(**_W4))
+    x3 = x_flat[:, 112:116, 6].reshape(1, 4, 128)  # the group is column 1
+    args = QuantizationArgs(**_W4)
+    low, high = x3.amin(dim=(0, -1)), x3.amax(dim=(0, -1))
+    table = LlmCompressorErrors(x3, args, low, high, shrink_factors(0.2, 100.0), 2.4)
+    assert table.settles
+    table.extend(20)
+    errors = table.settle(None)
+    assert table._exact[1] and table.chosen is not None
+    previous = native.set_enabled(False)
+    try:
+        torch_errors = candidate_errors(x3, args, low, high, shrink_factors(0.2, 100))
+    finally:
+        native.set_enabled(previous)
+    assert torch.equal(errors[:, 1], torch_errors[:, 1])
+    assert torch.equal(table.chosen, torch.argmin(torch_errors, dim=0))
+
+
+@pytest.mark.parametrize("patience", [None, 0, 2])
+@pytest.mark.parametrize(
+    "kwargs", [_W4, {**_W4, "symmetric": False}, _MX], ids=["w4", "w4-asym", "mxfp4"]
+)
+def test_every_near_comparison_rescored_gives_torchs_choice(
+    kwargs: dict[str, object], patience: int | None
+) -> None:
+    # a tolerance of 1: every comparison is near, every qparam is scored
+    # with torch, in as many rounds as the early stop moves
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    args = QuantizationArgs(**kwargs)
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 256, generator=gen) * torch.rand(16, 1, generator=gen)
+    x3 = flatten_for_calibration(w, "weight", args).reshape(1, -1, args.group_size)
+    low, high = x3.amin(dim=(0, -1)), x3.amax(dim=(0, -1))
+    factors = shrink_factors(0.2, 100.0)
+    table = LlmCompressorErrors(x3, args, low, high, factors, 2.4)
+    table.tolerance = 1.0
+    for _ in range(0, 20, 3):
+        table.extend(3)
+        if table.stop(patience) is not None:
+            break
+    errors = table.settle(patience)
+    assert table.chosen is not None
+    # every qparam but those whose candidates before the stop share one
+    # scale (MX's powers of two): nothing to compare there
+    scales = table._scale[: table.stopped or errors.shape[0]]
+    assert torch.equal(table._exact, (scales != scales[0]).any(dim=0))
+    previous = native.set_enabled(False)
+    try:
+        torch_errors = candidate_errors(x3, args, low, high, factors)
+    finally:
+        native.set_enabled(previous)
+    exact = table._exact
+    assert torch.equal(errors[:, exact], torch_errors[: errors.shape[0], exact])
+    assert table.stopped == patience_stop(torch_errors[: errors.shape[0]], patience)
+    stop = table.stopped or errors.shape[0]
+    assert torch.equal(table.chosen, torch.argmin(torch_errors[:stop], dim=0))

@@ -8,7 +8,8 @@ compiler at install: one `RuntimeWarning` says so), with
 `QUANTOBS_NATIVE=0`, or after `set_enabled(False)`, every caller runs its
 eager torch twin, which gives the same min/max bit for bit and the same MSE
 errors to float32 rounding (the kernel's `|e| ** 2.4` is within 3e-7
-relative of `powf`, and sums are float64). `backend_info()` says which runs.
+relative of `powf`, and its sums are its own). `backend_info()` says which
+runs.
 
 The kernels take contiguous float32 CPU tensors (the canonical layout
 `(N, Q, G)` where they reduce per qparam); each function returns None (or
@@ -26,7 +27,15 @@ from quantobs.native.ops_minmax import (
     range_absmax,
     symmetric_scales,
 )
-from quantobs.native.ops_mse import mse_errors, mse_supported, pow24
+from quantobs.native.ops_mse import (
+    mse_block,
+    mse_block_supported,
+    mse_errors,
+    mse_marks,
+    mse_rows,
+    mse_supported,
+    pow24,
+)
 from quantobs.native.ops_search import (
     entropy,
     entropy_search_rows,
@@ -53,7 +62,11 @@ __all__ = [
     "l2_symmetric",
     "minmax",
     "minmax_absmax",
+    "mse_block",
+    "mse_block_supported",
     "mse_errors",
+    "mse_marks",
+    "mse_rows",
     "mse_supported",
     "pow24",
     "range_absmax",

@@ -17,7 +17,8 @@ every Python and torch version) and is loaded with ctypes by
 
 No `-march=native`: what is built must run on every CPU of its platform. The
 hot kernels carry ISA clones instead (`QO_CLONES` in qo_kernels.h: an AVX2
-copy next to the baseline one on x86, chosen at load time).
+copy next to the baseline one on x86, and an AVX-512 one of the MSE scorers,
+chosen at load time).
 
 This module uses the standard library only: setup.py loads it by path, in a
 build environment without torch or quantobs.

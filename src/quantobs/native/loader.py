@@ -80,6 +80,12 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         None,
     ),
     "qo_pow24": ([_P, _P, _I], None),
+    "qo_mse_block": (
+        [_P, _I, _I, _I, _I, _I, _P, _P, _F, _F, _INT, _INT, _INT, _F, _P, _P, _INT],
+        None,
+    ),
+    "qo_mse_rows": ([_P, _I, _I, _I, _P, _P, _P, _D, _P, _P, _P, _INT], _I),
+    "qo_mse_marks": ([_P, _I, _I, _P, _P, _P, _D, _P, _INT, _P, _P, _INT], _I),
     # qo_search.c
     "qo_torch_l2_terms": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _INT], _I),
     "qo_l2_errors": ([_P, _I, _P, _P, _I, _I, _P, _INT], None),

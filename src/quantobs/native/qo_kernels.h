@@ -38,8 +38,16 @@
  *     round is half-to-even to an integer (int formats) or to the grid of a
  *     signed float format (mantissa_bits, emin: the exponent of its smallest
  *     normal). norm 2.4 uses pow24 (relative error below 3e-7, against 1 ulp
- *     for powf) and norm 2 squares; other norms call powf. Sums are float64.
+ *     for powf) and norm 2 squares; other norms call powf. Sums: float32 over
+ *     each 128 values of a row, float64 across.
  *   qo_pow24: pow24 over an array (for the tests).
+ *   qo_mse_block, qo_mse_rows, qo_mse_marks: llm-compressor's grid search in
+ *     blocks of candidates over one errors table (quantobs.solvers.mse_ties):
+ *     the block's errors (qo_mse_errors' with x * (1 / s) for x / s, as the
+ *     Triton searches; repeated candidates copied, qparams whose errors are
+ *     torch's left as they are); the comparisons of each candidate with the
+ *     least error before it (which improve, which are decided); the qparams
+ *     whose near errors may order candidates otherwise than torch's.
  *
  * qo_search.c (histogram searches)
  *   qo_torch_l2_terms: the per-bin terms of torch.ao's histogram L2 error.
@@ -62,8 +70,9 @@
  *     (QO_SOURCE_HASH, given by the build); the loader refuses a library
  *     whose hash differs from the sources next to it (a stale build).
  *   qo_build_info: "openmp=<_OPENMP or 0>;clones=<targets>;compiler=<name>".
- *   qo_isa: the clone the ifunc resolvers picked on this CPU ("default" when
- *     the build has no clones).
+ *   qo_isa: the clone the ifunc resolvers picked on this CPU for the MSE
+ *     scorers, the widest ("default" when the build has no clones; the other
+ *     cloned kernels stop at avx2).
  */
 #ifndef QO_KERNELS_H
 #define QO_KERNELS_H
@@ -107,26 +116,38 @@
  * calls), symmetric scales 6 to 14x, histogram counting 1.1 to 4.5x, pow24
  * 5x, torch's L2 terms 1.6 to 2.4x, min/max and finiteness about 1.15x. Not
  * cloned: the entropy and global L2 searches (float64, latency bound: no
- * gain) and min/max on rows of 16 (the AVX2 copy is 1.25x slower). AVX-512
- * is not cloned either: no machine here to measure it on.
+ * gain) and min/max on rows of 16 (the AVX2 copy is 1.25x slower). The MSE
+ * scorers (QO_WIDE_CLONES) have an AVX-512 copy too (x86-64-v4 with GCC 12+,
+ * avx512f elsewhere): on an AMD EPYC with AVX-512 (Zen 4), 1.45x faster than
+ * their AVX2 one; the other kernels were not measured with it.
  *
  * target_clones needs GCC >= 6 or clang >= 14 on x86, and ifunc support from
  * the object format and libc (ELF with glibc or FreeBSD; not musl, macOS,
  * Windows). Elsewhere, or with -DQO_NO_CLONES (the build's fallback when the
- * attribute fails to compile), QO_CLONES is empty and the baseline copy is
- * all there is. Keep QO_CLONE_TARGETS and qo_isa (qo_info.c) in step. */
+ * attribute fails to compile), QO_CLONES and QO_WIDE_CLONES are empty and
+ * the baseline copy is all there is. Keep QO_CLONE_TARGETS and qo_isa
+ * (qo_info.c) in step. */
 #if !defined(QO_NO_CLONES) && defined(__has_attribute) &&                    \
     (defined(__x86_64__) || defined(__i386__)) && defined(__ELF__) &&        \
     (defined(__GLIBC__) || defined(__FreeBSD__))
 #if __has_attribute(target_clones)
 #define QO_HAS_CLONES 1
 #define QO_CLONES __attribute__((target_clones("avx2", "default")))
-#define QO_CLONE_TARGETS "avx2,default"
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define QO_WIDE_ISA "x86-64-v4"
+#define QO_WIDE_CLONES                                                             \
+    __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define QO_WIDE_ISA "avx512f"
+#define QO_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#define QO_CLONE_TARGETS QO_WIDE_ISA ",avx2,default"
 #endif
 #endif
 #ifndef QO_HAS_CLONES
 #define QO_HAS_CLONES 0
 #define QO_CLONES
+#define QO_WIDE_CLONES
 #define QO_CLONE_TARGETS ""
 #endif
 
@@ -186,6 +207,20 @@ QO_API void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64
                           float qmax, int is_float, int mantissa_bits, int emin,
                           float norm, double *out, int threads);
 QO_API void qo_pow24(const float *a, float *out, int64_t n);
+QO_API void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
+                         int64_t c1, const float *scale, const float *zero_point,
+                         float qmin, float qmax, int is_float, int mantissa_bits,
+                         int emin, float norm, const uint8_t *exact, double *errors,
+                         int threads);
+QO_API int64_t qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                           const float *scale, const float *zero_point,
+                           const uint8_t *exact, double tolerance, double *least,
+                           int64_t *best, uint8_t *flags, int threads);
+QO_API int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end,
+                            const float *scale, const float *zero_point,
+                            const uint8_t *exact, double tolerance,
+                            const uint8_t *flags, int known, int64_t *best,
+                            uint8_t *marks, int threads);
 
 /* qo_search.c */
 QO_API int64_t qo_torch_l2_terms(const float *hist, int64_t bins, int64_t shared,

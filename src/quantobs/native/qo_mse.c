@@ -7,14 +7,18 @@
 ALWAYS_INLINE float pow24(float a) {
     uint32_t u = bits_of(a);
     int32_t field = (int32_t)(u >> 23);
-    int32_t k = field - 127;
     float m = float_of((u & 0x7FFFFFu) | 0x3F800000u);
-    int32_t q = (int32_t)floorf(((float)k + 0.5f) * 0.2f);
-    int32_t r = k - 5 * q;
-    /* 2**(0.4 r) from the bits of r (a select chain would become a table) */
-    float root = ((r & 1) ? 1.31950791077289f : 1.0f) *
-                 ((r & 2) ? 1.74110112659225f : 1.0f) *
-                 ((r & 4) ? 3.03143313302079f : 1.0f);
+    /* k + 640 = field + 513 in [513, 768]: q + 128 = floor((k + 640) / 5)
+     * by a multiply and a shift (exact below 2**16) */
+    int32_t shifted = field + 513;
+    int32_t q128 = (int32_t)(((uint32_t)shifted * 52429u) >> 18);
+    int32_t r = shifted - 5 * q128;
+    /* 2**(0.4 r), r in [0, 4], by selects on its bits (a switch would
+     * become a table: a gather, slower) */
+    float odd = (r & 1) ? 1.3195079107728942f : 1.0f;      /* r = 1 : 0 */
+    float odd2 = (r & 1) ? 2.2973967099940698f : 1.7411011265922482f; /* 3 : 2 */
+    float root = (r & 2) ? odd2 : odd;
+    root = r == 4 ? 3.0314331330207964f : root;
     float t = sqrtf(m) - 1.2071068f;
     float p = 0.005249457433819771f;
     p = p * t - 0.009831152856349945f;
@@ -22,9 +26,9 @@ ALWAYS_INLINE float pow24(float a) {
     p = p * t - 0.06382248550653458f;
     p = p * t + 0.7704436182975769f;
     p = p * t + 1.1625096797943115f;
-    float four_q = float_of((uint32_t)(2 * q + 127) << 23);
+    float four_q = float_of((uint32_t)(2 * q128 - 129) << 23); /* 4 ** q */
     float out = (a * a) * (p * root * four_q);
-    return field == 0 ? 0.0f : out; /* zero or subnormal: below 2**-300 */
+    return out; /* zero or subnormal a: a * a is 0 */
 }
 
 ALWAYS_INLINE float error_power(float a, int kind, float norm) {
@@ -38,9 +42,12 @@ typedef struct {
     int mantissa_bits, emin;
 } Format;
 
-ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind,
-                                  int has_zp, int is_float) {
-    float v = x / s;
+/* |fake_quant(x) - x| ** norm; fast: x * (1 / s) (inverse) instead of x / s,
+ * within 1.5 ulp of it: a value's level changes only within an ulp of a
+ * rounding midpoint, where both levels' errors are equal to an ulp */
+ALWAYS_INLINE float element_error(float x, float s, float inverse, float zp, Format f,
+                                  int kind, int has_zp, int is_float, int fast) {
+    float v = fast ? x * inverse : x / s;
     if (has_zp) v = v + zp;
     v = v < f.qmin ? f.qmin : v;
     v = v > f.qmax ? f.qmax : v;
@@ -50,85 +57,130 @@ ALWAYS_INLINE float element_error(float x, float s, float zp, Format f, int kind
     return error_power(fabsf(d), kind, f.norm);
 }
 
-/* sum over one row x[0..g) of the error of candidate (s, zp) */
+/* sum over one row x[0..g) of the error of candidate (s, zp): float32 sums
+ * of 128 values (relative error below 2**-20), added in float64 */
 ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, float zp,
-                               Format f, int kind, int has_zp, int is_float) {
+                               Format f, int kind, int has_zp, int is_float,
+                               int fast) {
+    float inverse = 1.0f / s;
     double total = 0.0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < g; ++i)
-        total += (double)element_error(x[i], s, zp, f, kind, has_zp, is_float);
+    for (int64_t i0 = 0; i0 < g; i0 += 128) {
+        int64_t i1 = g - i0 < 128 ? g : i0 + 128;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t i = i0; i < i1; ++i)
+            part += element_error(x[i], s, inverse, zp, f, kind, has_zp, is_float,
+                                  fast);
+        total += (double)part;
+    }
     return total;
 }
 
-/* out[k, j] += errors of rows (r, j) for r in [r0, r1), j in [j0, j1) */
+/* Which scores of a block of candidates a search skips (qo_mse_block): those
+ * of qparams whose errors are torch's (exact, (Q,)), and those of a candidate
+ * whose qparams equal those of the one before it (`first`: the block's first
+ * candidate in the table, whose rows the scale and zero-point pointers start
+ * at; -1: skip nothing). */
+typedef struct {
+    const uint8_t *exact;
+    int64_t first;
+} Skip;
+
+/* whether candidates a and b of qparam j have equal qparams */
+ALWAYS_INLINE int same_qparams(const float *scale, const float *zero_point, int64_t q,
+                               int64_t a, int64_t b, int64_t j) {
+    return scale[a * q + j] == scale[b * q + j] &&
+           (!zero_point || zero_point[a * q + j] == zero_point[b * q + j]);
+}
+
+ALWAYS_INLINE int skipped(Skip skip, const float *scale, const float *zero_point,
+                          int64_t q, int64_t k, int64_t j) {
+    if (skip.first < 0) return 0;
+    if (skip.exact[j]) return 1;
+    return skip.first + k > 0 && same_qparams(scale, zero_point, q, k, k - 1, j);
+}
+
+/* out[k, j] += errors of rows (r, j) for r in [r0, r1), j in [j0, j1), but
+ * for the scores the search skips */
 ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
                                const float *scale, const float *zero_point,
-                               const Format *f, double *out, int64_t r0, int64_t r1,
-                               int64_t j0, int64_t j1, int kind, int has_zp,
-                               int is_float) {
+                               Skip skip, const Format *f, double *out, int64_t r0,
+                               int64_t r1, int64_t j0, int64_t j1, int kind,
+                               int has_zp, int is_float, int fast) {
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = j0; j < j1; ++j) {
             const float *row = x + (r * q + j) * g;
             for (int64_t k = 0; k < c; ++k) {
+                if (skipped(skip, scale, zero_point, q, k, j)) continue;
                 float zp = has_zp ? zero_point[k * q + j] : 0.0f;
-                out[k * q + j] +=
-                    row_error(row, g, scale[k * q + j], zp, *f, kind, has_zp, is_float);
+                out[k * q + j] += row_error(row, g, scale[k * q + j], zp, *f, kind,
+                                            has_zp, is_float, fast);
             }
         }
 }
 
 typedef void (*Scorer)(const float *, int64_t, int64_t, int64_t, const float *,
-                       const float *, const Format *, double *, int64_t, int64_t,
+                       const float *, Skip, const Format *, double *, int64_t, int64_t,
                        int64_t, int64_t);
 
-/* one copy of score_block per (error power, zero point, float format), each
- * with its ISA clones: the hot loops of qo_mse_errors are all in here */
-#define SCORER(KIND, ZP, FLOAT)                                                      \
-    QO_CLONES static void score_##KIND##_##ZP##_##FLOAT(                             \
+/* one copy of score_block per (error power, zero point, float format, fast
+ * division), each with its ISA clones (an AVX-512 one too: QO_WIDE_CLONES):
+ * the hot loops of qo_mse_errors (exact division) and qo_mse_block (fast)
+ * are all in here */
+#define SCORER(KIND, ZP, FLOAT, FAST)                                                \
+    QO_WIDE_CLONES static void score_##KIND##_##ZP##_##FLOAT##_##FAST(               \
         const float *x, int64_t q, int64_t g, int64_t c, const float *scale,        \
-        const float *zero_point, const Format *f, double *out, int64_t r0,          \
-        int64_t r1, int64_t j0, int64_t j1) {                                        \
-        score_block(x, q, g, c, scale, zero_point, f, out, r0, r1, j0, j1, KIND, ZP, \
-                    FLOAT);                                                          \
+        const float *zero_point, Skip skip, const Format *f, double *out,           \
+        int64_t r0, int64_t r1, int64_t j0, int64_t j1) {                            \
+        score_block(x, q, g, c, scale, zero_point, skip, f, out, r0, r1, j0, j1,     \
+                    KIND, ZP, FLOAT, FAST);                                          \
     }
-SCORER(0, 0, 0) SCORER(0, 0, 1) SCORER(0, 1, 0) SCORER(0, 1, 1)
-SCORER(1, 0, 0) SCORER(1, 0, 1) SCORER(1, 1, 0) SCORER(1, 1, 1)
-SCORER(2, 0, 0) SCORER(2, 0, 1) SCORER(2, 1, 0) SCORER(2, 1, 1)
+#define SCORERS_OF(KIND, FAST)                                                       \
+    SCORER(KIND, 0, 0, FAST)                                                         \
+    SCORER(KIND, 0, 1, FAST) SCORER(KIND, 1, 0, FAST) SCORER(KIND, 1, 1, FAST)
+SCORERS_OF(0, 0) SCORERS_OF(1, 0) SCORERS_OF(2, 0)
+SCORERS_OF(0, 1) SCORERS_OF(1, 1) SCORERS_OF(2, 1)
 
-static const Scorer SCORERS[12] = {
-    score_0_0_0, score_0_0_1, score_0_1_0, score_0_1_1,
-    score_1_0_0, score_1_0_1, score_1_1_0, score_1_1_1,
-    score_2_0_0, score_2_0_1, score_2_1_0, score_2_1_1,
+#define ROW_OF(KIND, FAST)                                                           \
+    score_##KIND##_0_0_##FAST, score_##KIND##_0_1_##FAST, score_##KIND##_1_0_##FAST, \
+        score_##KIND##_1_1_##FAST
+static const Scorer SCORERS[24] = {
+    ROW_OF(0, 0), ROW_OF(1, 0), ROW_OF(2, 0), ROW_OF(0, 1), ROW_OF(1, 1), ROW_OF(2, 1),
 };
 
-void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
-                   const float *scale, const float *zero_point, float qmin,
-                   float qmax, int is_float, int mantissa_bits, int emin,
-                   float norm, double *out, int threads) {
+/* out (c, q) = the errors of candidates (scale, zero_point) (c, q); the
+ * scores skipped keep their value */
+static void score_table(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
+                       const float *scale, const float *zero_point, Skip skip,
+                       float qmin, float qmax, int is_float, int mantissa_bits,
+                       int emin, float norm, int fast, double *out, int threads) {
     Format f = {qmin, qmax, norm, mantissa_bits, emin};
     int kind = norm == 2.4f ? 1 : (norm == 2.0f ? 2 : 0);
     int has_zp = zero_point != NULL;
-    Scorer score = SCORERS[kind * 4 + has_zp * 2 + (is_float != 0)];
-    memset(out, 0, sizeof(double) * (size_t)(c * q));
+    Scorer score = SCORERS[(fast != 0) * 12 + kind * 4 + has_zp * 2 + (is_float != 0)];
+    for (int64_t k = 0; k < c; ++k)
+        for (int64_t j = 0; j < q; ++j)
+            if (!skipped(skip, scale, zero_point, q, k, j)) out[k * q + j] = 0.0;
     if (n == 1 || c * q > (1 << 22)) {
         /* one row, or tables too large to copy per thread: split qparams */
 #pragma omp parallel for schedule(dynamic, 64) num_threads(threads)
         for (int64_t j = 0; j < q; ++j)
-            score(x, q, g, c, scale, zero_point, &f, out, 0, n, j, j + 1);
+            score(x, q, g, c, scale, zero_point, skip, &f, out, 0, n, j, j + 1);
         return;
     }
-    /* many rows: split them (read in order), one partial table per thread */
+    /* many rows: split them (read in order), one partial table per thread
+     * (without memory for one, that thread adds to out in turn) */
 #pragma omp parallel num_threads(threads)
     {
         double *mine = calloc((size_t)(c * q), sizeof(double));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             if (mine) {
-                score(x, q, g, c, scale, zero_point, &f, mine, r, r + 1, 0, q);
+                score(x, q, g, c, scale, zero_point, skip, &f, mine, r, r + 1, 0, q);
                 continue;
             }
 #pragma omp critical
-            score(x, q, g, c, scale, zero_point, &f, out, r, r + 1, 0, q);
+            score(x, q, g, c, scale, zero_point, skip, &f, out, r, r + 1, 0, q);
         }
         if (mine) {
 #pragma omp critical
@@ -136,6 +188,232 @@ void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
             free(mine);
         }
     }
+}
+
+void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64_t c,
+                   const float *scale, const float *zero_point, float qmin,
+                   float qmax, int is_float, int mantissa_bits, int emin,
+                   float norm, double *out, int threads) {
+    Skip none = {NULL, -1};
+    score_table(x, n, q, g, c, scale, zero_point, none, qmin, qmax, is_float,
+                mantissa_bits, emin, norm, 0, out, threads);
+}
+
+/* ------------------------------------------- llm-compressor's search order
+ *
+ * The errors table (C, Q) of a search holds, per qparam j, the kernel's
+ * errors, or torch's for every candidate where exact[j] (scored by the
+ * caller). Candidate i "repeats" where its qparams equal candidate i - 1's:
+ * its error is exactly that one's in every arithmetic. Two errors are "near"
+ * where |a - b| <= tolerance * max(a, b): only then may the kernel's order of
+ * them differ from torch's (quantobs.solvers.mse_ties). */
+
+ALWAYS_INLINE int near(double a, double b, double tolerance) {
+    return fabs(a - b) <= (a > b ? a : b) * tolerance;
+}
+
+/* Scores candidates [c0, c1) of the table (fast division: x * (1 / s)):
+ * those of exact qparams are left as they are, repeated candidates copy
+ * their predecessor's error. */
+void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
+                  int64_t c1, const float *scale, const float *zero_point, float qmin,
+                  float qmax, int is_float, int mantissa_bits, int emin, float norm,
+                  const uint8_t *exact, double *errors, int threads) {
+    if (c1 <= c0) return;
+    Skip skip = {exact, c0};
+    const float *zp = zero_point ? zero_point + c0 * q : NULL;
+    score_table(x, n, q, g, c1 - c0, scale + c0 * q, zp, skip, qmin, qmax, is_float,
+                mantissa_bits, emin, norm, 1, errors + c0 * q, threads);
+    for (int64_t i = c0 > 0 ? c0 : 1; i < c1; ++i) /* in order: chains of repeats */
+        for (int64_t j = 0; j < q; ++j)
+            if (!exact[j] && same_qparams(scale, zero_point, q, i, i - 1, j))
+                errors[i * q + j] = errors[(i - 1) * q + j];
+}
+
+/* Columns (qparams) per piece of the comparisons' work: the pieces run
+ * apart (OpenMP), each over its columns of every row. */
+#define QO_COLUMNS 2048
+
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* qo_mse_rows over columns [j0, j1); bits[i - c0]: bit 0, some column
+ * improves; bit 1, one improves clearly; bit 2, one compares near */
+ALWAYS_INLINE void rows_piece(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                              const float *scale, const float *zero_point,
+                              const uint8_t *exact, double tolerance, double *least,
+                              int64_t *best, uint8_t *bits, int64_t j0, int64_t j1) {
+    for (int64_t i = c0; i < c1; ++i) {
+        const double *row = errors + i * q;
+        if (i == 0) {
+            for (int64_t j = j0; j < j1; ++j) least[j] = row[j], best[j] = 0;
+            continue;
+        }
+        const float *s = scale + i * q, *sp = s - q;
+        const float *z = zero_point ? zero_point + i * q : s;
+        const float *zp = zero_point ? z - q : s;
+        int improved = 0, clear = 0, close = 0;
+#pragma omp simd reduction(| : improved, clear, close)
+        for (int64_t j = j0; j < j1; ++j) {
+            double e = row[j], b = least[j];
+            int below = e < b;
+            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
+            int tight = near(e, b, tolerance) & !exact[j] & !repeat;
+            close |= tight;
+            clear |= below & !tight;
+            improved |= below;
+            int wins = below | ((e != e) & (b == b)); /* torch.argmin's NaN */
+            least[j] = wins ? e : b;
+            best[j] = wins ? i : best[j];
+        }
+        bits[i - c0] |= (uint8_t)(improved | (clear << 1) | (close << 2));
+    }
+}
+
+QO_CLONES static void rows_pieces(const double *errors, int64_t q, int64_t c0,
+                                  int64_t c1, const float *scale,
+                                  const float *zero_point, const uint8_t *exact,
+                                  double tolerance, double *least, int64_t *best,
+                                  uint8_t *bits, int threads) {
+    int64_t pieces = (q + QO_COLUMNS - 1) / QO_COLUMNS, rows = c1 - c0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < pieces; ++k) {
+        int64_t j0 = k * QO_COLUMNS, j1 = j0 + QO_COLUMNS < q ? j0 + QO_COLUMNS : q;
+        rows_piece(errors, q, c0, c1, scale, zero_point, exact, tolerance, least, best,
+                   bits + (int64_t)thread_index() * rows, j0, j1);
+    }
+}
+
+/* llm-compressor's comparisons of candidates [c0, c1): each error against
+ * the least error of the candidates before it, per qparam. least (Q,): the
+ * running least errors (set by candidate 0; a NaN stays, as torch.minimum's)
+ * and best (Q,) their candidates (torch.argmin's: the first minimum, the
+ * first NaN). flags[i]: bit 0, some qparam improves (its error is below the
+ * least); bit 1, that is decided: some qparam improves clearly (not near the
+ * least, or exact), or none compares near (the repeats' comparisons are
+ * exact). Returns 1 if out of memory (nothing done), else 0. */
+int64_t qo_mse_rows(const double *errors, int64_t q, int64_t c0, int64_t c1,
+                    const float *scale, const float *zero_point, const uint8_t *exact,
+                    double tolerance, double *least, int64_t *best, uint8_t *flags,
+                    int threads) {
+    if (c1 <= c0) return 0;
+    int64_t rows = c1 - c0;
+    threads = threads < 1 ? 1 : threads;
+    uint8_t *bits = calloc((size_t)(threads * rows), 1); /* one slice per thread */
+    if (!bits) return 1;
+    rows_pieces(errors, q, c0, c1, scale, zero_point, exact, tolerance, least, best,
+                bits, threads);
+    for (int64_t r = 0; r < rows; ++r) {
+        int any = 0;
+        for (int t = 0; t < threads; ++t) any |= bits[t * rows + r];
+        int improved = any & 1, clear = (any >> 1) & 1, close = (any >> 2) & 1;
+        flags[c0 + r] = c0 + r == 0 ? 3 : (uint8_t)(improved | ((clear | !close) << 1));
+    }
+    free(bits);
+    return 0;
+}
+
+/* qo_mse_marks over columns [j0, j1); returns how many it marked */
+ALWAYS_INLINE int64_t marks_piece(const double *errors, int64_t q, int64_t end,
+                                  int64_t reach, const float *scale,
+                                  const float *zero_point, const uint8_t *exact,
+                                  double tolerance, const uint8_t *flags, int known,
+                                  int64_t *best, uint8_t *marks, int64_t j0,
+                                  int64_t j1) {
+    double least[QO_COLUMNS];
+    float ws[QO_COLUMNS], wz[QO_COLUMNS]; /* the winners' qparams */
+    int64_t width = j1 - j0;
+    /* the running least (and, unless known, the winners) up to the last
+     * undecided candidate: qparams near it there */
+    for (int64_t j = 0; j < width; ++j) {
+        least[j] = errors[j0 + j];
+        if (!known) best[j0 + j] = 0;
+    }
+    for (int64_t i = 1; i < reach; ++i) {
+        const double *row = errors + i * q + j0;
+        const float *s = scale + i * q + j0, *sp = s - q;
+        const float *z = zero_point ? zero_point + i * q + j0 : s;
+        const float *zp = zero_point ? z - q : s;
+        int undecided = !(flags[i] & 2);
+        int64_t *bi = best + j0;
+        uint8_t *mj = marks + j0;
+        const uint8_t *ex = exact + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) {
+            double e = row[j], b = least[j];
+            int repeat = (s[j] == sp[j]) & (z[j] == zp[j]);
+            mj[j] |= undecided & near(e, b, tolerance) & !ex[j] & !repeat;
+            int wins = (e < b) | ((e != e) & (b == b));
+            least[j] = wins ? e : b;
+            if (!known) bi[j] = wins ? i : bi[j];
+        }
+    }
+    /* a winner near another candidate (one of other qparams: equal errors
+     * in every arithmetic) */
+    for (int64_t j = 0; j < width; ++j) {
+        int64_t w = best[j0 + j] * q + j0 + j;
+        least[j] = errors[w];
+        ws[j] = scale[w];
+        wz[j] = zero_point ? zero_point[w] : ws[j];
+    }
+    for (int64_t i = 0; i < end; ++i) {
+        const double *row = errors + i * q + j0;
+        const float *s = scale + i * q + j0;
+        const float *z = zero_point ? zero_point + i * q + j0 : s;
+        uint8_t *mj = marks + j0;
+        const uint8_t *ex = exact + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) {
+            int same = (s[j] == ws[j]) & (z[j] == wz[j]);
+            mj[j] |= near(row[j], least[j], tolerance) & !ex[j] & !same;
+        }
+    }
+    int64_t count = 0;
+    for (int64_t j = j0; j < j1; ++j) count += marks[j] != 0;
+    return count;
+}
+
+QO_CLONES static int64_t marks_pieces(const double *errors, int64_t q, int64_t end,
+                                      int64_t reach, const float *scale,
+                                      const float *zero_point, const uint8_t *exact,
+                                      double tolerance, const uint8_t *flags,
+                                      int known, int64_t *best, uint8_t *marks,
+                                      int threads) {
+    int64_t pieces = (q + QO_COLUMNS - 1) / QO_COLUMNS, count = 0;
+#pragma omp parallel for schedule(static) reduction(+ : count) num_threads(threads)
+    for (int64_t k = 0; k < pieces; ++k) {
+        int64_t j0 = k * QO_COLUMNS, j1 = j0 + QO_COLUMNS < q ? j0 + QO_COLUMNS : q;
+        count += marks_piece(errors, q, end, reach, scale, zero_point, exact,
+                             tolerance, flags, known, best, marks, j0, j1);
+    }
+    return count;
+}
+
+/* The qparams whose kernel errors may decide llm-compressor's choice
+ * otherwise than torch's, over the first `end` candidates (those it scores
+ * before its early stop): those near the least at an undecided candidate
+ * (flags, of qo_mse_rows) and those whose first least error (best (Q,):
+ * its candidate, torch.argmin's; given where `known`, from qo_mse_rows over
+ * the same `end` candidates) is near another candidate's of other qparams.
+ * Sets marks[j] = 1 for them (exact ones never); returns how many are
+ * marked. */
+int64_t qo_mse_marks(const double *errors, int64_t q, int64_t end, const float *scale,
+                     const float *zero_point, const uint8_t *exact, double tolerance,
+                     const uint8_t *flags, int known, int64_t *best, uint8_t *marks,
+                     int threads) {
+    int64_t reach = end; /* the running least: to the last undecided candidate */
+    if (known) {
+        reach = 0;
+        for (int64_t i = 1; i < end; ++i)
+            if (!(flags[i] & 2)) reach = i + 1;
+    }
+    return marks_pieces(errors, q, end, reach, scale, zero_point, exact, tolerance,
+                        flags, known, best, marks, threads < 1 ? 1 : threads);
 }
 
 /* pow24 over an array: for the tests */

@@ -31,7 +31,7 @@ from quantobs.core.qparams import generate_gparam
 from quantobs.core.scoring import DEFAULT_CHUNK_ELEMS, search_args, shrink_factors
 from quantobs.native.dispatch import kernel
 from quantobs.solvers import mse_gpu
-from quantobs.solvers.mse_ties import LlmCompressorErrors, first_best, patience_stop
+from quantobs.solvers.mse_ties import LlmCompressorErrors, first_best
 from quantobs.stats.reduce import minmax
 
 __all__ = ["GridSearch", "best_shrink", "grid_search", "mse_search"]
@@ -182,18 +182,18 @@ def best_shrink(
         return factors[first_best(errors, patience)]
     # The native kernel's (CPU): score candidates in blocks so an early stop
     # skips the rest; where its errors say the search ends, settle its near
-    # ties and decide.
+    # ties and decide (the first minimum before the stop wins).
     for c0 in range(0, factors.numel(), block):
-        errors = table.extend(block)  # (C so far, Q)
+        table.extend(block)
         last = c0 + block >= factors.numel()
-        if patience_stop(errors, patience) is None and not last:
+        if table.stop(patience) is None and not last:
             continue
-        errors = table.settle()
-        stop = patience_stop(errors, patience)
-        if stop is not None:
-            errors = errors[:stop]
+        table.settle(patience)
+        if table.stopped is not None:
             break
-    return factors[torch.argmin(errors, dim=0)]  # first minimum wins
+    if table.chosen is None:  # not reached: the last block settles
+        raise RuntimeError("best_shrink: the search ended undecided")
+    return factors[table.chosen]
 
 
 best_shrink.register("cuda", mse_gpu.best_shrink)

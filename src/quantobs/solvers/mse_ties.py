@@ -3,33 +3,39 @@
 llm-compressor scores each shrink candidate with torch in float32 (`pow`,
 then a float32 sum per qparam) and keeps a candidate only where its error is
 strictly below the best so far; its early stop counts the candidates that
-improve no qparam. The native kernel (`quantobs.native.mse_errors`) computes
-`|err| ** 2.4` with its own polynomial and sums in float64: its errors differ
-from torch's by about 1e-6 relative (measured on MiniLM's weights: at most
-1.1e-6), so where two candidates' errors are closer than that, it may order
-them the other way (1 of the 84,096 groups of MiniLM's W4A16 weights: two
-candidates whose float32 errors are equal to the last bit).
+improve no qparam. The native kernel (`quantobs.native.mse_block`) computes
+`|err| ** 2.4` with its own polynomial, `x * (1 / scale)` and its own sums:
+its errors differ from torch's by about 1e-6 relative (measured on MiniLM's
+weights: at most 1.1e-6), so where two candidates' errors are closer than
+that, it may order them the other way (1 of the 84,096 groups of MiniLM's
+W4A16 weights: two candidates whose float32 errors are equal to the last
+bit).
 
-`LlmCompressorErrors` makes every comparison the search makes come out as
-torch's does, at little cost:
+`LlmCompressorErrors` makes the choice and the early stop torch's, at little
+cost. It keeps one `(C, Q)` errors table, filled block by block by the C
+kernels (`quantobs.native.mse_block`, `mse_rows`, `mse_marks`):
 
 * a candidate whose qparams (scale, zero point) equal those of the candidate
   before it has the same error in every arithmetic: it gets exactly that
-  error (MX's power-of-two scales repeat over most of the shrink grid);
-* every other comparison of a candidate's error with the best error before
-  it whose two sides lie within `tolerance` (relative) of each other marks
-  its qparam; marked qparams are scored again with the torch kernels, for
-  every candidate, and keep the torch errors from then on.
+  error, unscored (MX's power-of-two scales repeat over most of the grid);
+* two errors are *near* where they lie within `tolerance` (relative) of each
+  other; only then may the kernel order them otherwise than torch;
+* a qparam is scored again with torch, for every candidate (and keeps those
+  errors), only where a near comparison can change an outcome: its first
+  least error is near another candidate's (among those scored before the
+  early stop), or it compares near the least error before it at a candidate
+  whose "improves some qparam" (the early stop's count) no clear comparison
+  of another qparam decides. Elsewhere every comparison is clear, so the
+  kernel's order is torch's.
 
 `tolerance` is 2**-16 (1.5e-5: 14 times the largest measured difference),
 growing with the log of the values per qparam for long float32 sums. The
-check runs once the kernel's errors say the search ends (`settle`), and
-again only if the corrected errors let it go on. Where the native kernels
-are off or the data is not on the CPU the errors are torch's already and
-nothing is re-scored. Measured on MiniLM's linear weights (one thread):
-0.5% of the W4A16 groups are re-scored (0.4% W4A16_ASYM, 0.1% NVFP4, 0.03%
-W8A8 channels, 1 MXFP4 group of 336,384), adding 10-20% to the search's
-time, which stays 5-7 times faster than llm-compressor's.
+marks are made once the kernel's errors say the search ends (`settle`), and
+again after each re-scoring, until none is left. Where the native kernels
+are off, the data is not on the CPU or the kernel does not take the format
+or norm, the errors are torch's already and nothing is re-scored. Measured
+on MiniLM's linear weights: 0.24% of the W4A16 groups are re-scored (0.19%
+W4A16_ASYM, 0.06% NVFP4, 0.03% W8A8 channels, 1 MXFP4 group of 336,384).
 """
 
 from __future__ import annotations
@@ -148,18 +154,33 @@ class LlmCompressorErrors:
         self.factors = factors.to(device=x3.device, dtype=torch.float32)
         self.norm, self.chunk_elems = norm, chunk_elems
         self.global_scale = global_scale
-        num_q = min_vals.numel()
+        num_q, num_c = min_vals.numel(), self.factors.numel()
         self.errors = torch.empty(0, num_q, dtype=torch.float64, device=x3.device)
-        # Where the native kernel may have scored: torch decides the ties.
-        self.settles = native.available() and x3.device.type == "cpu"
+        # Where the native kernel scores: its near ties are settled (torch's
+        # errors for the qparams they touch); elsewhere errors are torch's.
+        self.settles = native.mse_block_supported(x3, args.format, norm)
         values = x3.shape[0] * x3.shape[-1]
         self.tolerance = _TOLERANCE * max(1.0, math.log2(max(values, 2)) / 8)
-        # Qparams whose errors are torch's, for every candidate (`_torch`).
+        # Qparams whose errors are torch's, for every candidate (`_mark`).
         self._exact = torch.zeros(num_q, dtype=torch.bool, device=x3.device)
-        self._torch: torch.Tensor | None = None  # (C, Q) float64
-        # Every scored candidate's qparams, to find repeated ones: (c, Q) each.
-        self._scales: list[torch.Tensor] = []
-        self._zero_points: list[torch.Tensor] = []
+        # `settle`'s choice: the candidate per qparam, and the early stop.
+        self.chosen: torch.Tensor | None = None
+        self.stopped: int | None = None
+        if not self.settles:
+            return
+        # The kernel's table, filled block by block: the (C, Q) qparams and
+        # errors of the candidates, each candidate's comparisons (bit 0: it
+        # improves some qparam, bit 1: decided), the running least errors.
+        self._values = x3.to(torch.float32).contiguous()
+        self._scale = torch.empty(num_c, num_q, dtype=torch.float32)
+        self._zero_point = None
+        if not args.symmetric:
+            self._zero_point = torch.empty(num_c, num_q, dtype=torch.float32)
+        self._table = torch.empty(num_c, num_q, dtype=torch.float64)
+        self._flags = torch.zeros(num_c, dtype=torch.uint8)
+        self._least = torch.empty(num_q, dtype=torch.float64)
+        self._best = torch.zeros(num_q, dtype=torch.int64)
+        self._done = 0
 
     def _qparams(
         self, factors: torch.Tensor, columns: torch.Tensor | None = None
@@ -174,20 +195,6 @@ class LlmCompressorErrors:
             self.args,
             self.global_scale,
         )
-
-    def _score(
-        self,
-        qparams: tuple[torch.Tensor, torch.Tensor | None],
-        columns: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`(c, Q)` float64 errors of candidate qparams (or `(c, k)` of the
-        qparams `columns`)."""
-        x3 = self.x3 if columns is None else self.x3[:, columns]
-        scale, zero_point = qparams
-        return score(
-            x3, scale, zero_point, self.args.format, self.norm,
-            chunk_elems=self.chunk_elems,
-        )  # fmt: skip
 
     def _mark(self, columns: torch.Tensor) -> torch.Tensor:
         """Score `columns` for every candidate with torch, from now on;
@@ -205,12 +212,8 @@ class LlmCompressorErrors:
             chunk_elems=self.chunk_elems,
         )  # fmt: skip
         found = found[:, : columns.numel()]
-        if self._torch is None:
-            self._torch = torch.zeros(
-                self.factors.numel(), self._exact.numel(), dtype=torch.float64,
-                device=self.x3.device,
-            )  # fmt: skip
-        self._torch[:, columns] = found
+        if self.settles:
+            self._table[:, columns] = found
         self._exact[columns] = True
         return found
 
@@ -218,47 +221,83 @@ class LlmCompressorErrors:
         """Score the next `count` candidates; returns the `(C, Q)` float64
         errors of every candidate so far (`C` counts the earlier blocks),
         torch's for the qparams `settle` marked, the kernel's elsewhere."""
-        c0 = self.errors.shape[0]
-        factors = self.factors[c0 : c0 + count]
-        qparams = self._qparams(factors)  # (c, Q) each
-        errors = self._score(qparams)  # (c, Q)
-        if self._torch is not None:  # marked qparams keep torch's errors
-            rows = self._torch[c0 : c0 + factors.numel()]
-            errors = torch.where(self._exact, rows, errors)
-        if self.settles:
-            self._scales.append(qparams[0])
-            if qparams[1] is not None:
-                self._zero_points.append(qparams[1])
-        self.errors = torch.cat([self.errors, errors])
+        if not self.settles:
+            c0 = self.errors.shape[0]
+            factors = self.factors[c0 : c0 + count]
+            scale, zero_point = self._qparams(factors)  # (c, Q) each
+            errors = score(
+                self.x3, scale, zero_point, self.args.format, self.norm,
+                chunk_elems=self.chunk_elems,
+            )  # fmt: skip
+            self.errors = torch.cat([self.errors, errors])
+            return self.errors
+        c0 = self._done
+        c1 = min(self.factors.numel(), c0 + count)
+        # a block's qparams at a time: small temporaries (no page faults)
+        scale, zero_point = self._qparams(self.factors[c0:c1])
+        self._scale[c0:c1] = scale
+        if self._zero_point is not None and zero_point is not None:
+            self._zero_point[c0:c1] = zero_point
+        table = (self._scale, self._zero_point, self._exact)
+        native.mse_block(
+            self._values, *table[:2], self.args.format, self.norm,
+            self._exact, self._table, c0, c1,
+        )  # fmt: skip
+        native.mse_rows(
+            self._table, *table, self.tolerance, self._least, self._best,
+            self._flags, c0, c1,
+        )  # fmt: skip
+        self._done = c1
+        self.errors = self._table[:c1]
         return self.errors
 
-    def settle(self) -> torch.Tensor:
-        """The `(C, Q)` errors of every candidate so far, whose comparisons
-        (each candidate's error against the least before it) are torch's:
-        repeated candidates get their predecessor's error, and qparams with
-        a near comparison are scored with torch (module docstring)."""
-        errors = self.errors
-        if not self.settles or errors.shape[0] < 2:
-            return errors
-        scale = torch.cat(self._scales)  # (C, Q)
-        repeats = scale[1:] == scale[:-1]  # (C - 1, Q)
-        if self._zero_points:
-            zero_point = torch.cat(self._zero_points)
-            repeats &= zero_point[1:] == zero_point[:-1]
-        errors = errors.clone()
-        best = errors[0]
-        near = torch.zeros_like(self._exact)
-        for i in range(1, errors.shape[0]):  # C is small: rows, each vectorized
-            # A repeated candidate's error is exactly its predecessor's.
-            row = torch.where(repeats[i - 1], errors[i - 1], errors[i])
-            errors[i] = row
-            # Its comparison with the least error before it, if near (that of
-            # a repeated candidate is exact: equal to the one before it).
-            bound = torch.maximum(row, best).mul_(self.tolerance)
-            near |= ((row - best).abs_() <= bound) & ~repeats[i - 1]
-            best = torch.minimum(best, row)
-        marked = (near & ~self._exact).nonzero().flatten()
-        if marked.numel():
-            errors[:, marked] = self._mark(marked)[: errors.shape[0]]
-        self.errors = errors
-        return errors
+    def stop(self, patience: int | None) -> int | None:
+        """`patience_stop` of the errors so far (the kernel's comparisons,
+        torch's for the marked qparams); None before any candidate."""
+        if not self.settles:
+            return patience_stop(self.errors, patience)
+        if patience is None or self._done == 0:
+            return None
+        stale = 0
+        for i, flags in enumerate(self._flags[: self._done].tolist()):
+            if i == 0:
+                continue
+            improved = bool(flags & 1)
+            stale = 0 if improved else stale + 1
+            if stale >= patience and not improved:
+                return i + 1
+        return None
+
+    def settle(self, patience: int | None = None) -> torch.Tensor:
+        """The `(C, Q)` errors of every candidate so far, whose comparisons up
+        to llm-compressor's early stop (`patience`) are torch's: repeated
+        candidates have their predecessor's error, and qparams whose near
+        errors may order them otherwise are scored with torch (module
+        docstring). Sets `stopped` (`patience_stop`) and `chosen`, the `(Q,)`
+        first least error's candidate among those scored before the stop."""
+        if not self.settles:
+            self.stopped = patience_stop(self.errors, patience)
+            scored = self.errors[: self.stopped]
+            self.chosen = torch.argmin(scored, dim=0) if scored.shape[0] else None
+            return self.errors
+        if self._done == 0:
+            return self.errors
+        table = (self._table, self._scale, self._zero_point, self._exact)
+        while True:
+            self.stopped = self.stop(patience)
+            end = self._done if self.stopped is None else self.stopped
+            # the running winners are those of every candidate scored
+            known = self._best.clone() if end == self._done else None
+            best, marks = native.mse_marks(
+                *table, self.tolerance, self._flags, end, known
+            )  # fmt: skip
+            if not bool(marks.any()):
+                break
+            self._mark(marks.nonzero().flatten())
+            # torch's errors change the comparisons: made again from the start
+            native.mse_rows(
+                *table, self.tolerance, self._least, self._best, self._flags,
+                0, self._done,
+            )  # fmt: skip
+        self.chosen = best
+        return self.errors
