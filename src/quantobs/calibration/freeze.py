@@ -34,7 +34,7 @@ from quantobs.calibration.experts import keep_linear
 from quantobs.calibration.offload import onloaded, remove_parameter, write_parameter
 from quantobs.calibration.simulate import quantize_in_place
 
-__all__ = ["compress_modules", "freeze"]
+__all__ = ["compress_modules", "freeze", "give_back_freed_memory"]
 
 _DENSE = "dense"
 
@@ -105,7 +105,7 @@ def compress_modules(model: torch.nn.Module) -> None:
             compressed = compressor.compress(dict(state), scheme)
         _replace(module, compressed)
         del state, compressed
-        _give_back_freed_memory()
+        give_back_freed_memory()
 
 
 @functools.cache
@@ -118,8 +118,11 @@ def _malloc_trim() -> Any:
         return None
 
 
-def _give_back_freed_memory() -> None:
-    """Return the heap memory freed by a module's compression to the OS:
+def give_back_freed_memory() -> None:
+    """Return freed heap memory to the OS (glibc's `malloc_trim`; nothing
+    elsewhere). After a module's compression, or a layer's calibration
+    (`quantobs.calibration.sequential`, offloaded models), which free
+    several times a weight's size in temporaries:
     without it the allocator keeps each module's temporaries (several times
     its weight) in fragments, and the export's resident memory grows by
     about half the model (measured: 1.6-2x the model's size instead of 1.05x

@@ -58,6 +58,7 @@ import torch
 
 from quantobs.calibration import offload
 from quantobs.calibration.experts import uncounted
+from quantobs.calibration.freeze import give_back_freed_memory
 from quantobs.calibration.running import move, progress_bar, run_batch
 from quantobs.calibration.segment import Segment
 from quantobs.calibration.tokens import TokenMask, current_mask, using_mask
@@ -534,6 +535,8 @@ def observe_layers(
                     run(i)
         for i in indices:
             items[i].advance(index, outputs.pop(i))
+        if offloaded:  # the layer's onloaded weights and temporaries, freed
+            give_back_freed_memory()
     # 3. outside the layers
     inside = {id(e) for mine in per_layer for e in mine}
     outside = [e for e in entries if id(e) not in inside]
