@@ -16,6 +16,7 @@ float32 statistics, the same choice on every device: tested at the end), as
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +54,18 @@ MINMAX = ["memoryless_minmax", "static_minmax", "minmax"]
 MSE = ["memoryless_mse", "mse"]
 NVFP4_ONLY = ["nvfp4_expanded_mse", "nvfp4_expanded_imatrix"]
 IMATRIX = ["imatrix_mse", "nvfp4_expanded_imatrix"]
+#: llm-compressor's nightly (0.14.1a: `observers/grid_search.py`) sums its
+#: imatrix errors in the weight's bf16 / fp16 up to 512 values at a time
+#: (tests/observers/test_imatrix.py: NIGHTLY_DIFFERS); quantobs follows
+#: 0.14.0.1. Measured under the nightly, these cases choose otherwise.
+NIGHTLY_GRID = importlib.util.find_spec("llmcompressor.observers.grid_search")
+NIGHTLY_DIFFERS = {
+    ("imatrix_mse", "fp8-channel", torch.bfloat16),
+    ("imatrix_mse", "fp8-channel", torch.float16),
+    ("imatrix_mse", "nvfp4", torch.float16),
+    ("nvfp4_expanded_imatrix", "nvfp4", torch.bfloat16),
+    ("nvfp4_expanded_imatrix", "nvfp4", torch.float16),
+}
 #: the peer's search arithmetic on bfloat16 / float16 (an option of ours)
 PEER_SEARCH = {"search_arithmetic": "observed"}
 ROWS, COLS = 16, 256
@@ -118,6 +131,10 @@ def test_weight_qparams_equal_llm_compressor(
             layer(_values((3, COLS), 1.0, dtype, seed) * spread)
     expected = theirs(layer.weight).get_qparams()
     ours.update(layer.weight)
+    if NIGHTLY_GRID is not None and (name, fmt, dtype) in NIGHTLY_DIFFERS:
+        with pytest.raises(AssertionError):  # the nightly's changed search
+            _assert_equal_qparams(ours.get_qparams(), expected)
+        return
     _assert_equal_qparams(ours.get_qparams(), expected)
     if expected["global_scale"] is not None:
         global_scale = ours.get_global_scale()
