@@ -85,6 +85,10 @@ caveat that applies.
 
 (Over 500 lines: one layout change, the calibration module, its routing,
 the swap in and out and the export copy's view of it belong together.)
+
+(Over 500 lines: fused experts replaced by per-expert Linears, their routing
+forward, and their offloaded tensors are one mechanism: attach, run and
+detach must agree on it.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ what observers need beyond their hooks they declare (`Observer.needs`,
 `quantobs.observers.needs`) and this loop serves: shared references, input
 importance, a second pass (its first pass combined across processes
 before it starts). The loop knows no observer class.
+
+(Over 500 lines: the one calibration object and its steps; splitting the
+steps apart would scatter the status checks they share.)
 """
 
 from __future__ import annotations

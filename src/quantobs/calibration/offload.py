@@ -38,6 +38,10 @@ exits). The loader's own files (accelerate's `.dat` files, the source
 checkpoint's safetensors) are never touched.
 
 Nothing here needs accelerate installed: without it no module is offloaded.
+
+(Over 500 lines: reading, writing and releasing the tensors of accelerate's
+weights maps (and the files they own) are one protocol over the same
+loaders.)
 """
 
 from __future__ import annotations

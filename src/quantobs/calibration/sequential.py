@@ -45,6 +45,9 @@ Decoder layers are found generically (`decoder_layers`): the `ModuleList`
 of the model's `_no_split_modules` classes (llm-compressor's rule), e.g.
 `model.model.layers`, GPT-2's `transformer.h`, OPT's `model.decoder.layers`;
 else the largest `ModuleList` of modules of one class.
+
+(Over 500 lines: the layer pipeline's capture, per-layer run and outside
+step share the cached items and the choice of pipeline.)
 """
 
 from __future__ import annotations

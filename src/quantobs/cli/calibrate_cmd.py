@@ -42,6 +42,9 @@ value and what to do. `--out` and `--save-state` are written under hidden
 names beside them and renamed into place holding their lock
 (`quantobs.calibration.locking`): a second run writing the same one is
 refused, not silently replaced, and what killed runs left there is removed.
+
+(Over 500 lines: one command's options, its checks before any long work and
+its steps, in the order they run.)
 """
 
 from __future__ import annotations

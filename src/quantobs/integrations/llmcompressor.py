@@ -73,6 +73,9 @@ are validated instead of read with `.get(default)`.
 
 (A little over 500 lines: one plug-in, llm-compressor's observer contract
 implemented around ours.)
+
+(Over 500 lines: one plug-in class mirroring llm-compressor's Observer
+contract method by method.)
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ and no `(C, Q)` candidate tensors:
   (`first_best`) or index (`imatrix.best_index`).
 
 Importing this module imports Triton: callers import it lazily.
+
+(Over 500 lines: the on-chip candidate rule must follow `candidate_qparams`
+step by step for every format, beside the kernels that use it.)
 """
 
 from __future__ import annotations
