@@ -182,6 +182,8 @@ class Observer(ObserverEngine, Registered):
         observed = (getattr(stat, "min_vals", None), getattr(stat, "max_vals", None))
         if observed[0] is None or observed[1] is None:
             return selected
+        if selected[0] is observed[0] and selected[1] is observed[1]:
+            return selected  # the data's own range: finite where the data was
         return finite_range(selected, (observed[0], observed[1]))
 
     def _global_amax(self, stat: Statistic) -> torch.Tensor:
