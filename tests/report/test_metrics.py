@@ -368,3 +368,12 @@ def test_sqnr_db_scale_invariant(
         assert got == expected
     else:
         assert got == pytest.approx(expected, abs=1e-9)
+
+
+def test_neighbour_agreement_ignores_scale_in_float64_ties() -> None:
+    # [1, 1] and [1.5, 1.5] are one direction, but their float64 unit rows
+    # differ in the last bit: the tie still goes to the lowest index
+    x = torch.tensor([[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    test = x.flip(0)
+    scaled = test * torch.tensor([1.0, 1.5, 1.0], dtype=torch.float64)[:, None]
+    assert neighbour_agreement(x, scaled) == neighbour_agreement(x, test)

@@ -147,14 +147,22 @@ def cosine_to_reference(
     return float(cosines.mean()), float(cosines.min())
 
 
+#: cosine similarities this close count as tied (float64 rounding of unit rows)
+_TIE = 1e-12
+
+
 def _nearest_other(unit: torch.Tensor) -> torch.Tensor:
     """For unit rows `(N, H)`, the index of each row's most similar other row.
 
-    Ties go to the lowest index (`torch.argmax` returns the first maximum).
+    Ties go to the lowest index, and so do similarities within `_TIE` of the
+    row's best: float64 rounding of the unit rows (e.g. `[1, 1]` and
+    `[1.5, 1.5]` normalized) must not decide between equal directions.
     """
     similarity = unit @ unit.T  # (N, N)
     similarity.fill_diagonal_(-math.inf)  # a sentence is not its own neighbour
-    return similarity.argmax(dim=1)  # (N,)
+    best = similarity.amax(dim=1, keepdim=True)  # (N, 1)
+    near = similarity >= best - _TIE  # (N, N)
+    return near.to(torch.int8).argmax(dim=1)  # (N,) the first near one
 
 
 def neighbour_agreement(reference: torch.Tensor, test: torch.Tensor) -> float:
