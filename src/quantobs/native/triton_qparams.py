@@ -215,12 +215,15 @@ class Launch:
 
     @staticmethod
     def of(
-        args: QuantizationArgs, rounded: torch.dtype | None, has_gs: bool, eps: float
+        args: QuantizationArgs,
+        rounded: torch.dtype | None,
+        global_scale: torch.Tensor | None,
+        eps: float,
     ) -> Launch | None:
         if rounded not in _ROUNDED:
             return None
-        rule = Rule.of(args, torch.ones(1) if has_gs else None)
-        if rule is None or (has_gs and rule.kind != 0):
+        rule = Rule.of(args, global_scale)
+        if rule is None or (global_scale is not None and rule.kind != 0):
             return None
         divisor = rule.divisor
         if rounded is not None and rule.kind != _MX:

@@ -57,8 +57,12 @@ def _ranges(arith: torch.dtype | None, seed: int = 0) -> tuple[torch.Tensor, ...
     gen = torch.Generator().manual_seed(seed)
     dtype = arith or torch.float32
     top = torch.finfo(dtype).max
-    a = torch.randn(40, generator=gen) * 10.0 ** torch.randint(-6, 6, (40,), generator=gen)
-    b = torch.randn(40, generator=gen) * 10.0 ** torch.randint(-6, 6, (40,), generator=gen)
+    a = torch.randn(40, generator=gen) * 10.0 ** torch.randint(
+        -6, 6, (40,), generator=gen
+    )
+    b = torch.randn(40, generator=gen) * 10.0 ** torch.randint(
+        -6, 6, (40,), generator=gen
+    )
     a[:20], b[:20] = a[:20].to(dtype).float(), b[:20].to(dtype).float()
     lo, hi = torch.minimum(a, b), torch.maximum(a, b)
     tiny = torch.finfo(torch.float32).tiny
@@ -148,9 +152,7 @@ def test_nvfp4_global_scale_from_amax(
     assert kinds.count(RuntimeWarning) % 2 == 0  # both warn, or neither
 
 
-@pytest.mark.parametrize(
-    "gs", [1.0, 3.7, 1e30, 0.0, -2.0, math.inf, math.nan], ids=str
-)
+@pytest.mark.parametrize("gs", [1.0, 3.7, 1e30, 0.0, -2.0, math.inf, math.nan], ids=str)
 def test_module_global_scale(gs: float, triton_device: torch.device) -> None:
     args = QuantizationArgs(**NVFP4)
     lo, hi = (t.to(triton_device) for t in _ranges(torch.bfloat16, seed=2))
@@ -273,3 +275,33 @@ class _routed:
     def __exit__(self, *exc: object) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+@pytest.mark.parametrize("policy", ["raise", "omit", "propagate"])
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax"])
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4"])
+def test_nan_policies_through_the_kernels(
+    policy: str, name: str, case: str, triton_device: torch.device
+) -> None:
+    # the scan's on-chip findings and absmax: the same errors (and counts),
+    # the same qparams, as the torch path
+    args = QuantizationArgs(**CASES[case])
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(4, 64, generator=gen).to(torch.bfloat16).to(triton_device)
+    bad = w.clone()
+    bad[0, 3], bad[2, 40], bad[3, 63] = math.nan, math.inf, -math.inf
+    found: list[Any] = []
+    for route in (True, False):
+        observer = Observer.get_class(name)("weight", args, nan_policy=policy)
+        with _routed(route, triton_device):
+            with SyncCounter() as syncs:
+                observer.update(w)
+                observer.update(bad)
+            assert syncs.count == 0, syncs.by_op
+            try:
+                found.append(observer.get_qparams())
+            except ValueError as error:
+                found.append(error)
+    if policy == "raise":
+        assert isinstance(found[1], ValueError)
+    _same(found[1], found[0])

@@ -104,9 +104,7 @@ def _observer_qparams_gpu(
     observed: Range | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Triton kernel (`triton_qparams`), None where it does not apply."""
-    if not isinstance(min_vals, torch.Tensor) or not isinstance(
-        max_vals, torch.Tensor
-    ):
+    if not isinstance(min_vals, torch.Tensor) or not isinstance(max_vals, torch.Tensor):
         return None
     if global_scale is not None and not isinstance(global_scale, torch.Tensor):
         return None  # the torch path raises the TypeError
@@ -117,12 +115,12 @@ def _observer_qparams_gpu(
     symmetric_plain = args.symmetric and not args.is_mx
     scale_dtype = None if args.is_mx else args.scale_dtype
     eps = _zero_scale_replacement(scale_dtype or rounded or torch.float32)
-    launch = triton_qparams.Launch.of(args, rounded, gs is not None, eps)
+    launch = triton_qparams.Launch.of(args, rounded, gs, eps)
     if launch is None or (gs is not None and not symmetric_plain):
         return None
-    out_dtype = torch.float32
-    if rounded is not None:
-        out_dtype = rounded if gs is None else torch.promote_types(rounded, gs.dtype)
+    out_dtype = torch.float32  # in_observed_dtype's (gs: float32, bf16, fp16)
+    if rounded is not None and (gs is None or gs.dtype == rounded):
+        out_dtype = rounded
     found = triton_qparams.range_qparams(
         launch,
         min_vals,
