@@ -1,7 +1,7 @@
 """`triton_shrink`'s, `triton_minmax`'s and `triton_qparams`' kernels
-compile for a GPU (sm_90) on a machine without one: the interpreter runs what the tests check, the compiler decides what a
-GPU runs (`compile_shrink.py`, in a fresh process without
-`TRITON_INTERPRET`)."""
+compile for a GPU (sm_90) on a machine without one: the interpreter runs
+what the tests check, the compiler decides what a GPU runs
+(`compile_shrink.py`, in a fresh process without `TRITON_INTERPRET`)."""
 
 from __future__ import annotations
 
