@@ -31,19 +31,19 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_ops.py"
 # 83 / 47, 104 / 82, 92 / 51, 83 / 47, 87 / 47, 124 / 47, 106 / 82; min-max
 # 21 / 47, 33 / 82.
 BUDGET: dict[str, tuple[int, int, int, int]] = {
-    "memoryless_mse int4 g128": (72, 5, 5, 1),
+    "memoryless_mse int4 g128": (72, 5, 3, 1),
     "memoryless_mse NVFP4": (96, 5, 3, 1),
-    "memoryless_mse MXFP4": (81, 5, 5, 1),
-    "memoryless_mse int8 channel": (72, 5, 5, 1),
-    "memoryless_mse FP8 tensor": (87, 4, 5, 1),
-    "imatrix_mse int4 g128": (113, 5, 6, 1),
+    "memoryless_mse MXFP4": (81, 5, 3, 1),
+    "memoryless_mse int8 channel": (72, 5, 3, 1),
+    "memoryless_mse FP8 tensor": (87, 4, 3, 1),
+    "imatrix_mse int4 g128": (113, 5, 4, 1),
     "nvfp4_expanded_mse": (98, 5, 3, 1),
-    "memoryless_minmax int4 g128": (10, 1, 5, 1),
+    "memoryless_minmax int4 g128": (10, 1, 3, 1),
     "memoryless_minmax NVFP4": (14, 1, 3, 1),
-    "memoryless_minmax MXFP4": (10, 1, 5, 1),
-    "memoryless_minmax int8 channel": (10, 1, 5, 1),
-    "memoryless_minmax FP8 tensor": (16, 0, 5, 1),  # one qparam: torch.aminmax
-    "static_minmax int4 g128 asym": (12, 1, 5, 1),
+    "memoryless_minmax MXFP4": (10, 1, 3, 1),
+    "memoryless_minmax int8 channel": (10, 1, 3, 1),
+    "memoryless_minmax FP8 tensor": (16, 0, 3, 1),  # one qparam: torch.aminmax
+    "static_minmax int4 g128 asym": (12, 1, 3, 1),
     "static_minmax NVFP4": (17, 1, 3, 1),
 }
 

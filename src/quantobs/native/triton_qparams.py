@@ -187,6 +187,7 @@ def _range_qparams_kernel(
         s = tl.maximum(s, tiny)
     if OUT_BF16:  # the bfloat16 value's bits (exact: s is one)
         out = (s.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        out = out.to(tl.bfloat16, bitcast=True)
     else:
         out = s.to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + q, out, mask=ok)
@@ -278,9 +279,7 @@ def range_qparams(
     shape = tuple(min_vals.shape) or (1,)
     num_q = min_vals.numel()
     out_bf16 = scale_dtype == torch.bfloat16
-    scale = torch.empty(
-        shape, dtype=torch.int16 if out_bf16 else scale_dtype, device=device
-    )
+    scale = torch.empty(shape, dtype=scale_dtype, device=device)
     zp_out = rule.kind == _ASYM or zp_dtype in _ZP_INTS
     if zp_out:
         zero_point = torch.empty(shape, dtype=zp_dtype, device=device)
@@ -311,6 +310,4 @@ def range_qparams(
             BLOCK=_BLOCK,
             enable_fp_fusion=False,
         )  # fmt: skip
-    if out_bf16:
-        scale = scale.view(torch.bfloat16)
     return scale, zero_point, flags

@@ -83,7 +83,7 @@ def main() -> None:
     # (kind, rounded, global scale, scale out, zero point out)
     for kind, rounded, gs, out, zp in ((0, 1, 2, "*fp32", "*fp8e4nv"),
                                        (0, 2, 1, "*fp16", "*i8"),
-                                       (1, 1, 0, "*i16", "*i8"),
+                                       (1, 1, 0, "*bf16", "*i8"),
                                        (1, 0, 0, "*fp32", "*u8"),
                                        (2, 0, 0, "*fp32", "*u8")):  # fmt: skip
         compile_kernel(tq._range_qparams_kernel,
@@ -91,7 +91,7 @@ def main() -> None:
                        {"KIND": kind, "ROUNDED": rounded, "GS": gs,
                         "ROUND_SCALE": gs == 2, "FLOOR_TINY": gs == 0,
                         "FINITE_RANGE": kind == 1, "ZP_OUT": zp != "*fp8e4nv",
-                        "OUT_BF16": out == "*i16", "BLOCK": 1024})  # fmt: skip
+                        "OUT_BF16": out == "*bf16", "BLOCK": 1024})  # fmt: skip
 
 
 if __name__ == "__main__":
