@@ -441,7 +441,9 @@ def test_rule_declines_scales_it_does_not_round() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 8, 16), (3, 5, 7), (1, 3, 3000), (4, 2, 1)])
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 16), (3, 5, 7), (1, 3, 3000), (4, 2, 1), (2, 300, 16)]
+)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, None], ids=str)
 def test_minmax_is_torchs(
     shape: tuple[int, int, int],

@@ -188,6 +188,23 @@ def test_solver_ranges_made_finite(
     _same(want, got)
 
 
+@pytest.mark.parametrize("case", ["int4-group-asym", "nvfp4"])
+def test_many_programs_and_one_qparam(case: str, triton_device: torch.device) -> None:
+    # qparams over several programs (their checks combined by atomics) and
+    # a 0-d range (returned as (1,))
+    args = QuantizationArgs(**CASES[case])
+    gen = torch.Generator().manual_seed(7)
+    lo = -torch.rand(2500, generator=gen).to(triton_device)
+    hi = torch.rand(2500, generator=gen).to(triton_device)
+    amax = torch.tensor([1.0], device=triton_device) if case == "nvfp4" else None
+    _same(*_both(lo, hi, args, None, amax, torch.bfloat16))
+    _same(*_both(lo[7], hi[7], args, None, amax, None))
+    lo[5], hi[1100], lo[2400] = math.nan, math.inf, -math.inf
+    want, got = _both(lo, hi, args, None, amax, torch.bfloat16)
+    assert "3 non-finite" in str(want)
+    _same(want, got)
+
+
 def test_declines_what_it_does_not_compute(triton_device: torch.device) -> None:
     impl = observer_qparams.native("cuda")
     assert impl is not None
