@@ -62,8 +62,8 @@ MXFP4 = {
 }
 INT4_G128 = {"num_bits": 4, "strategy": "group", "group_size": 128}
 
-# label -> (observer, args kwargs): the MSE cases of issue 24's GPU table,
-# and min-max for comparison
+# label -> (observer, args kwargs): the MSE and min-max cases of issue 24's
+# GPU table, and more min-max formats
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "memoryless_mse int4 g128": ("memoryless_mse", INT4_G128),
     "memoryless_mse NVFP4": ("memoryless_mse", NVFP4),
@@ -77,6 +77,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4_expanded_mse": ("nvfp4_expanded_mse", NVFP4),
     "memoryless_minmax int4 g128": ("memoryless_minmax", INT4_G128),
     "memoryless_minmax NVFP4": ("memoryless_minmax", NVFP4),
+    "memoryless_minmax MXFP4": ("memoryless_minmax", MXFP4),
+    "memoryless_minmax int8 channel": (
+        "memoryless_minmax",
+        {"num_bits": 8, "strategy": "channel"},
+    ),
+    "memoryless_minmax FP8 tensor": (
+        "memoryless_minmax",
+        {"num_bits": 8, "type": "float"},
+    ),
+    "static_minmax int4 g128 asym": (
+        "static_minmax",
+        {**INT4_G128, "symmetric": False},
+    ),
+    "static_minmax NVFP4": ("static_minmax", NVFP4),
 }
 SHAPE = (8, 256)  # rows, columns of the weight
 

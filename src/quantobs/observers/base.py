@@ -26,17 +26,13 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from quantobs.core.args import QuantizationArgs
-from quantobs.core.checks import Checks
 from quantobs.core.layout import (
     check_supported,
     flatten_for_calibration,
     num_observations_of,
 )
-from quantobs.core.qparams import (
-    amax_to_global_scale,
-    calculate_qparams,
-    in_observed_dtype,
-)
+from quantobs.core.qparams import amax_to_global_scale
+from quantobs.core.qparams.fused import observer_qparams
 from quantobs.core.registry import Registered, Registry, validate_options
 from quantobs.observers.engine import ObserverEngine
 from quantobs.observers.needs import Need
@@ -178,13 +174,20 @@ class Observer(ObserverEngine, Registered):
         """`_range`, made finite where the statistic's data was
         (`finite_range`: a solver's end past float32's max saturates, a NaN
         end falls back to the observed one); finite ranges unchanged."""
+        selected, observed = self._ranges(stat)
+        return selected if observed is None else finite_range(selected, observed)
+
+    def _ranges(self, stat: Statistic) -> tuple[Range, Range | None]:
+        """`_range` and the statistic's data range it is made finite by
+        (None where there is none, or `_range` is that range: the data's own
+        range is finite where the data was)."""
         selected = self._range(stat)
         observed = (getattr(stat, "min_vals", None), getattr(stat, "max_vals", None))
         if observed[0] is None or observed[1] is None:
-            return selected
+            return selected, None
         if selected[0] is observed[0] and selected[1] is observed[1]:
-            return selected  # the data's own range: finite where the data was
-        return finite_range(selected, (observed[0], observed[1]))
+            return selected, None
+        return selected, (observed[0], observed[1])
 
     def _global_amax(self, stat: Statistic) -> torch.Tensor:
         """`(1,)` largest |value| the global scale derives from: the one the
@@ -449,28 +452,22 @@ class Observer(ObserverEngine, Registered):
         float32 global scale multiplied it, as NVFP4's), else float32.
         """
         stat = self._require()
-        checks = Checks()  # the rule's checks, read at once at the end
-        global_scale = None
+        global_scale = amax = None
         if self.args.strategy == "tensor_group":
             global_scale = self._module_param("global_scale")
             if global_scale is None:
                 amax = self._global_amax(stat)
-                global_scale = amax_to_global_scale(
-                    amax, observed_dtype=self.arithmetic_dtype, checks=checks
-                )
-        min_vals, max_vals = self._selected_range(stat)
-        found = calculate_qparams(
+        (min_vals, max_vals), observed = self._ranges(stat)
+        # one kernel on a GPU (quantobs.core.qparams.fused)
+        return observer_qparams(
             min_vals,
             max_vals,
             self.args,
             global_scale,
-            empty_as_zero=True,
-            observed_dtype=self.arithmetic_dtype,
-            checks=checks,
+            amax,
+            self.arithmetic_dtype,
+            observed,
         )
-        checks.raise_first()
-        scale, zero_point = found
-        return in_observed_dtype(scale, self.rounding_dtype(), global_scale), zero_point
 
     def reset(self) -> None:
         """Forget every statistic and count."""

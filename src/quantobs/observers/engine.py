@@ -176,6 +176,14 @@ class ObserverEngine(torch.nn.Module):
         first = torch.where(pending[1] != 0, pending[1], step[1])
         self._pending = torch.stack([pending[0] + step[0], first, pending[2] + step[2]])
 
+    def _defer_step(self, step: torch.Tensor) -> None:
+        """`_defer` of a ready `(3,)` step whose float64 value past float32
+        is 0 and that keeps its batch (`Batch.findings`): one addition."""
+        if self._pending is None:
+            self._pending = step
+            return
+        self._pending = self._pending.to(step.device) + step
+
     def _settle(self) -> None:
         """Read the pending findings, the engine's and a subclass's
         (`_extra_pending`), in one host read (none when nothing is pending)
@@ -186,8 +194,9 @@ class ObserverEngine(torch.nn.Module):
         own = self._pending
         if own is None:
             own = torch.zeros(3, dtype=torch.float64, device=extra.device)  # type: ignore[union-attr]
-        parts = [own] if extra is None else [own, extra.to(own.device, own.dtype)]
-        nonfinite, beyond, kept, *rest = torch.cat(parts).tolist()
+        if extra is not None:
+            own = torch.cat([own, extra.to(own.device, own.dtype)])
+        nonfinite, beyond, kept, *rest = own.tolist()
         self._pending = None
         if extra is not None:
             self._settle_extra(rest)
@@ -379,9 +388,13 @@ class ObserverEngine(torch.nn.Module):
         `"omit"` the batch's values and range leave non-finite values out,
         and `_last_keep` says whether it had any finite value (module
         docstring)."""
-        if self.nan_policy == "propagate" or batch.absmax is not None:
+        if self.nan_policy == "propagate" or isinstance(batch.absmax, float):
             if self._kept is not None:  # counting kept batches: this one is
                 self._kept += 1
+            return batch
+        plain = dtype != torch.float64 or self.exact_dtype
+        if self.nan_policy == "raise" and plain and batch.findings is not None:
+            self._defer_step(batch.findings)  # counted by the scan, on chip
             return batch
         low, high = batch.min_vals, batch.max_vals
         # qparams with a non-finite end (x - x: 0 if finite, else NaN)
@@ -431,8 +444,9 @@ class ObserverEngine(torch.nn.Module):
         `(0, 0)`, getting the smallest scale). A batch with some finite
         values is kept; its qparams without one keep the empty range."""
         # NaN and inf propagate into the range, so only it is checked; a
-        # range that came with its absmax was seen whole and finite.
-        if self.nan_policy == "propagate" or batch.absmax is not None:
+        # range that came with a host absmax (the native scan's) was seen
+        # whole and finite.
+        if self.nan_policy == "propagate" or isinstance(batch.absmax, float):
             return batch
         if all_finite(batch.min_vals, batch.max_vals):
             return batch

@@ -99,6 +99,10 @@ class Batch:
         has_skipped: `x_flat` holds NaN entries standing for skipped values.
         scan: what a statistic's `scan` found in the pass that produced the
             range (e.g. counts on a speculated grid), or None.
+        findings: `(3,)` float64 `[qparams with a non-finite end, 0, 0]` when
+            the scan counted them on the device (the GPU min/max kernel): the
+            step `ObserverEngine` defers under `nan_policy="raise"` (else
+            None: the engine counts them from the range).
     """
 
     x_flat: torch.Tensor | None
@@ -108,6 +112,7 @@ class Batch:
     absmax: float | torch.Tensor | None = None
     has_skipped: bool = False
     scan: Any = None
+    findings: torch.Tensor | None = None
 
     @property
     def qparam_shape(self) -> tuple[int, ...]:
@@ -156,8 +161,12 @@ class Statistic(ABC):
         Returns:
             The `Batch` (without values: the observer attaches them).
         """
-        low, high, absmax = scan_range(x_flat, exact_dtype=exact_dtype)
-        return Batch(None, low, high, int(x_flat.shape[0]), absmax=absmax)
+        keeps_absmax = bool(getattr(self, "track_absmax", False))
+        low, high, absmax, findings = scan_range(
+            x_flat, exact_dtype=exact_dtype, absmax=keeps_absmax
+        )
+        n = int(x_flat.shape[0])
+        return Batch(None, low, high, n, absmax=absmax, findings=findings)
 
     def omit_nonfinite(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The values `update` gets when non-finite ones are to be ignored, and

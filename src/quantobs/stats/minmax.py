@@ -66,7 +66,8 @@ def _empty_range(
 def _batch_absmax(batch: Batch) -> torch.Tensor:
     """`(1,)` float32 absmax of the batch's ranges (free when the scan knew it)."""
     if isinstance(batch.absmax, torch.Tensor):
-        return batch.absmax.to(torch.float32).reshape(1)
+        found = batch.absmax.to(torch.float32)
+        return found if found.shape == (1,) else found.reshape(1)
     if batch.absmax is not None:
         return torch.tensor([batch.absmax], dtype=torch.float32)
     return absmax_or_zero(batch.min_vals, batch.max_vals)

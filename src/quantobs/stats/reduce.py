@@ -70,34 +70,40 @@ def _outer_minmax(x2: torch.Tensor) -> Range:
     return min_vals, max_vals
 
 
+#: `_minmax3`'s result: `(Q,)` min and max, the absmax (a host float when
+#: the native scan saw every value finite, a `(1,)` device tensor from the
+#: GPU scan, or None) and the NaN policy's findings (`Batch.findings`, or None)
+Scan3 = tuple[
+    torch.Tensor, torch.Tensor, float | torch.Tensor | None, torch.Tensor | None
+]
+
+
 @kernel
-def _minmax3(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float | None]:
-    """`(N, Q, G)` contiguous -> `(Q,)` min and max in x3's dtype, and the
-    largest `|x|` when it came for free with every value finite (None here:
-    torch's reductions do not tell)."""
+def _minmax3(x3: torch.Tensor, absmax: bool = False) -> Scan3:
+    """`(N, Q, G)` contiguous -> `(Q,)` min and max in x3's dtype (or
+    float32: exact either way), and what came with them for free (`Scan3`;
+    None here: torch's reductions do not tell). `absmax`: the caller keeps
+    the absmax (a GPU scan then computes it in the same pass)."""
     n, q, g = x3.shape
     if g >= _MIN_INNER or n == 1:
         # rows of G: inner reductions, then the small (N, Q) one
         low, high = x3.amin(2), x3.amax(2)  # (N, Q)
         if n == 1:
-            return low[0], high[0], None
-        return low.amin(0), high.amax(0), None
+            return low[0], high[0], None, None
+        return low.amin(0), high.amax(0), None, None
     low, high = _outer_minmax(x3.reshape(n, q * g))  # (Q * G,)
-    return low.view(q, g).amin(1), high.view(q, g).amax(1), None
+    return low.view(q, g).amin(1), high.view(q, g).amax(1), None, None
 
 
-def _minmax3_native(
-    x3: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
-    return native.minmax_absmax(x3)
+def _minmax3_native(x3: torch.Tensor, absmax: bool = False) -> Scan3 | None:
+    found = native.minmax_absmax(x3)
+    return None if found is None else (*found, None)
 
 
-def _minmax3_gpu(
-    x3: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
+def _minmax3_gpu(x3: torch.Tensor, absmax: bool = False) -> Scan3 | None:
     from quantobs.native import triton_minmax  # imports Triton
 
-    return triton_minmax.minmax3(x3)
+    return triton_minmax.minmax3(x3, absmax)
 
 
 _minmax3.register("cpu", _minmax3_native)
@@ -109,29 +115,39 @@ def _result_dtype(x: torch.Tensor, exact_dtype: bool) -> torch.dtype:
 
 
 def scan_range(
-    x_flat: torch.Tensor, *, exact_dtype: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, float | None]:
-    """The batch's per-qparam min and max, and its absmax when free.
+    x_flat: torch.Tensor, *, exact_dtype: bool = False, absmax: bool = False
+) -> Scan3:
+    """The batch's per-qparam min and max, and what came with them.
 
     Args:
         x_flat: `(N, *Q, G)` values (any float dtype, any device).
         exact_dtype: keep float64 for float64 inputs (else float32).
+        absmax: the caller keeps the absmax (the GPU scan computes it).
 
     Returns:
-        `(min_vals, max_vals, absmax)`: `(*Q,)` each (NaN where a group holds
-        NaN), and `max(-min, max, 0)` over every qparam where the native
-        kernel ran and every value was finite (else None).
+        `(min_vals, max_vals, absmax, findings)`: `(*Q,)` each (NaN where a
+        group holds NaN); `max(-min, max, 0)` over every qparam where the
+        native kernel ran and every value was finite (a float), or where
+        the GPU kernel ran with `absmax` (a `(1,)` tensor, non-finite where
+        a value was), else None; the GPU kernel's NaN-policy findings
+        (`Batch.findings`), else None.
     """
     qshape = tuple(x_flat.shape[1:-1])
     dtype = _result_dtype(x_flat, exact_dtype)
     if math.prod(qshape) == 1:  # one qparam: a single pass, the floor
         low, high = torch.aminmax(x_flat)
-        return low.to(dtype).reshape(qshape), high.to(dtype).reshape(qshape), None
+        return low.to(dtype).reshape(qshape), high.to(dtype).reshape(qshape), None, None
     if not x_flat.is_contiguous():  # strided: torch reduces it in place
         low, high = x_flat.amin(dim=(0, -1)), x_flat.amax(dim=(0, -1))
-        return low.to(dtype), high.to(dtype), None
-    low, high, absmax = _minmax3(x_flat.reshape(x_flat.shape[0], -1, x_flat.shape[-1]))
-    return low.to(dtype).reshape(qshape), high.to(dtype).reshape(qshape), absmax
+        return low.to(dtype), high.to(dtype), None, None
+    x3 = x_flat
+    if x_flat.ndim != 3:
+        x3 = x_flat.reshape(x_flat.shape[0], -1, x_flat.shape[-1])
+    low, high, found_absmax, findings = _minmax3(x3, absmax)
+    low, high = low.to(dtype), high.to(dtype)  # no op where float32 already
+    if low.shape != qshape:
+        low, high = low.reshape(qshape), high.reshape(qshape)
+    return low, high, found_absmax, findings
 
 
 def minmax(x_flat: torch.Tensor, *, exact_dtype: bool = False) -> Range:
@@ -141,7 +157,7 @@ def minmax(x_flat: torch.Tensor, *, exact_dtype: bool = False) -> Range:
     the small result for non-finite values instead of the whole input.
     `exact_dtype` keeps float64 for float64 inputs.
     """
-    min_vals, max_vals, _ = scan_range(x_flat, exact_dtype=exact_dtype)
+    min_vals, max_vals, _, _ = scan_range(x_flat, exact_dtype=exact_dtype)
     return min_vals, max_vals
 
 

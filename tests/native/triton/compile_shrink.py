@@ -1,4 +1,5 @@
-"""Compile `quantobs.native.triton_shrink`'s kernels for an sm_90 GPU
+"""Compile `quantobs.native.triton_shrink`'s kernels (and the min/max and
+fused qparams kernels, `triton_minmax`, `triton_qparams`) for an sm_90 GPU
 without one (Triton's CUDA backend and its bundled ptxas): kernels written
 and tested under the interpreter also compile. Run in a fresh process
 (`TRITON_INTERPRET` off) by `test_triton_compile.py`; prints one line per
@@ -14,6 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from quantobs.native import triton_minmax as tm
+from quantobs.native import triton_qparams as tq
 from quantobs.native import triton_shrink as ts
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -68,6 +71,27 @@ def main() -> None:
                         "out_ptr": out},
                        {"patience": 1, "STOPS": True, "MODE": mode,
                         "BLOCK_Q": 1024})  # fmt: skip
+
+    for absmax in (True, False):
+        compile_kernel(tm._minmax_kernel,
+                       {"x_ptr": "*bf16", "min_ptr": "*fp32", "max_ptr": "*fp32",
+                        "found_ptr": "*fp64", "amax_ptr": "*i32"},
+                       {"ROWS": not absmax, "ABSMAX": absmax, "BLOCK_Q": 4,
+                        "BLOCK_E": 1024})  # fmt: skip
+    ranges = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "dlo_ptr": "*fp32",
+              "dhi_ptr": "*fp32", "flags_ptr": "*i32"}  # fmt: skip
+    # (kind, rounded, global scale, scale out, zero point out)
+    for kind, rounded, gs, out, zp in ((0, 1, 2, "*fp32", "*fp8e4nv"),
+                                       (0, 2, 1, "*fp16", "*i8"),
+                                       (1, 1, 0, "*bf16", "*i8"),
+                                       (1, 0, 0, "*fp32", "*u8"),
+                                       (2, 0, 0, "*fp32", "*u8")):  # fmt: skip
+        compile_kernel(tq._range_qparams_kernel,
+                       {**ranges, "gs_ptr": "*fp32", "s_ptr": out, "z_ptr": zp},
+                       {"KIND": kind, "ROUNDED": rounded, "GS": gs,
+                        "ROUND_SCALE": gs == 2, "FLOOR_TINY": gs == 0,
+                        "FINITE_RANGE": kind == 1, "ZP_OUT": zp != "*fp8e4nv",
+                        "OUT_BF16": out == "*bf16", "BLOCK": 1024})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from quantobs.solvers.imatrix import (
     normalize_importance,
 )
 from quantobs.solvers.mse import best_shrink
-from quantobs.stats.reduce import _minmax3, minmax
+from quantobs.stats.reduce import _minmax3, absmax_or_zero, minmax
 from tests.format_args import MXFP4, NVFP4
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -441,22 +441,40 @@ def test_rule_declines_scales_it_does_not_round() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 8, 16), (3, 5, 7), (1, 3, 3000), (4, 2, 1)])
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 16), (3, 5, 7), (1, 3, 3000), (4, 2, 1), (2, 300, 16)]
+)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, None], ids=str)
 def test_minmax_is_torchs(
-    shape: tuple[int, int, int], dtype: torch.dtype, triton_device: torch.device
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    bad: float | None,
+    triton_device: torch.device,
 ) -> None:
+    # min/max (float32, exact), the absmax and the NaN policy's count of
+    # qparams with a non-finite end, as torch's ops give them
     gen = torch.Generator().manual_seed(2)
     x3 = torch.randn(shape, generator=gen).to(dtype).to(triton_device)
-    x3[0, 0, 0] = math.nan  # propagates to qparam 0
+    if bad is not None:
+        x3[0, 0, 0] = bad  # propagates to qparam 0
+        x3[-1, -1, -1] = -bad
     want = _minmax3.torch(x3)
     impl = _minmax3.native("cuda")
     assert impl is not None
-    got = impl(x3)
-    assert got is not None and got[2] is None
+    got = impl(x3, True)
+    assert got is not None and want[2] is None
     for a, b in zip(got[:2], want[:2], strict=True):
-        assert a.dtype == b.dtype
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert a.dtype == torch.float32
+        assert torch.equal(a.nan_to_num(7.0), b.float().nan_to_num(7.0))
         assert torch.equal(a.isnan(), b.isnan())
+    low, high = want[0].float(), want[1].float()
+    absmax = absmax_or_zero(low, high)
+    assert isinstance(got[2], torch.Tensor) and got[2].shape == (1,)
+    assert torch.equal(got[2].nan_to_num(7.0), absmax.nan_to_num(7.0))
+    count = torch.count_nonzero((low - low) + (high - high)).double()
+    assert got[3] is not None
+    assert got[3].tolist() == [float(count), 0.0, 0.0]
+    assert impl(x3)[2] is None  # no absmax asked: none made
 
 
 # ------------------------------------------------------- observers, on CUDA
