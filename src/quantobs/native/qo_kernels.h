@@ -122,10 +122,12 @@
  * gain) and min/max on rows of 16 (the AVX2 copy is 1.25x slower). The MSE
  * scorers (QO_WIDE_CLONES) have an AVX-512 copy too (x86-64-v4 with GCC 12+,
  * avx512f elsewhere): on an AMD EPYC with AVX-512 (Zen 4), 1.45x faster than
- * their AVX2 one; the other kernels were not measured with it. The norm 2.4
- * scorers have a second set, QO_FMA_CLONES (x86-64-v4 and v3, GCC 12+),
- * whose pow24 uses fused multiply-adds, chosen at run time on CPUs of
- * x86-64-v3 and up (QO_FMA_ISA); the others keep their unfused clones.
+ * their AVX2 one, and so are the MSE search's marks (qo_mse_marks, 1.5x;
+ * its comparisons, qo_mse_rows, are no faster). The other kernels were not
+ * measured with it. The norm 2.4 scorers have a second set, QO_FMA_CLONES
+ * (x86-64-v4 and v3, GCC 12+), whose pow24 uses fused multiply-adds,
+ * chosen at run time on CPUs of x86-64-v3 and up (QO_FMA_ISA; 1.3x faster
+ * with AVX-512 than without FMA); other CPUs keep the unfused clones.
  *
  * target_clones needs GCC >= 6 or clang >= 14 on x86, and ifunc support from
  * the object format and libc (ELF with glibc or FreeBSD; not musl, macOS,
