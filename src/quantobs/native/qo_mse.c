@@ -441,12 +441,12 @@ ALWAYS_INLINE int64_t marks_piece(const double *errors, int64_t q, int64_t end,
     return count;
 }
 
-QO_WIDE_CLONES static int64_t marks_pieces(const double *errors, int64_t q, int64_t end,
-                                      int64_t reach, const float *scale,
-                                      const float *zero_point, const uint8_t *exact,
-                                      double tolerance, const uint8_t *flags,
-                                      int known, int64_t *best, uint8_t *marks,
-                                      int threads) {
+QO_WIDE_CLONES static int64_t marks_pieces(const double *errors, int64_t q,
+                                           int64_t end, int64_t reach,
+                                           const float *scale, const float *zero_point,
+                                           const uint8_t *exact, double tolerance,
+                                           const uint8_t *flags, int known,
+                                           int64_t *best, uint8_t *marks, int threads) {
     int64_t pieces = (q + QO_COLUMNS - 1) / QO_COLUMNS, count = 0;
 #pragma omp parallel for schedule(static) reduction(+ : count) num_threads(threads)
     for (int64_t k = 0; k < pieces; ++k) {
