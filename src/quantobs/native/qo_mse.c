@@ -210,12 +210,9 @@ FUSED_SCORERS_OF(1)
 static const Scorer FUSED_SCORERS[8] = {ROW_OF(3, 0), ROW_OF(3, 1)};
 #endif
 
-/* out[k, j] = 0 for the candidates k of qparam j scored (not skipped) */
-ALWAYS_INLINE void zero_scores(Skip skip, const float *scale, const float *zero_point,
-                               int64_t q, int64_t c, int64_t j, double *out) {
-    for (int64_t k = 0; k < c; ++k)
-        if (!skipped(skip, scale, zero_point, q, k, j)) out[k * q + j] = 0.0;
-}
+/* Qparams per piece of the table's serial passes, split among threads
+ * (each piece's rows in order: contiguous, vectorized) */
+#define QO_PIECE 4096
 
 /* out (c, q) = the errors of candidates (scale, zero_point) (c, q); the
  * scores skipped keep their value */
@@ -231,20 +228,21 @@ static void score_table(const float *x, int64_t n, int64_t q, int64_t g, int64_t
     if (kind == 1 && fused_clones())
         score = FUSED_SCORERS[(fast != 0) * 4 + has_zp * 2 + (is_float != 0)];
 #endif
-    /* the scores made start at 0, zeroed by the threads (as the repeats'
-     * copies of qo_mse_block: serial, each would cost 2 threads about 5% of
-     * a search of 1024x4096 values) */
+    /* the scores made start at 0 (in pieces, as the repeats' copies of
+     * qo_mse_block: serial, each would cost 2 threads about 5% of a search
+     * of 1024x4096 values) */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j0 = 0; j0 < q; j0 += QO_PIECE)
+        for (int64_t k = 0; k < c; ++k)
+            for (int64_t j = j0; j < j0 + QO_PIECE && j < q; ++j)
+                if (!skipped(skip, scale, zero_point, q, k, j)) out[k * q + j] = 0.0;
     if (n == 1 || c * q > (1 << 22)) {
         /* one row, or tables too large to copy per thread: split qparams */
 #pragma omp parallel for schedule(dynamic, 64) num_threads(threads)
-        for (int64_t j = 0; j < q; ++j) {
-            zero_scores(skip, scale, zero_point, q, c, j, out);
+        for (int64_t j = 0; j < q; ++j)
             score(x, q, g, c, scale, zero_point, skip, &f, out, 0, n, j, j + 1);
-        }
         return;
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < q; ++j) zero_scores(skip, scale, zero_point, q, c, j, out);
     /* many rows: split them (read in order), one partial table per thread
      * (without memory for one, that thread adds to out in turn) */
 #pragma omp parallel num_threads(threads)
@@ -302,10 +300,11 @@ void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
     score_table(x, n, q, g, c1 - c0, scale + c0 * q, zp, skip, qmin, qmax, is_float,
                 mantissa_bits, emin, norm, 1, errors + c0 * q, threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < q; ++j)
+    for (int64_t j0 = 0; j0 < q; j0 += QO_PIECE)
         for (int64_t i = c0 > 0 ? c0 : 1; i < c1; ++i) /* in order: chains of repeats */
-            if (!exact[j] && same_qparams(scale, zero_point, q, i, i - 1, j))
-                errors[i * q + j] = errors[(i - 1) * q + j];
+            for (int64_t j = j0; j < j0 + QO_PIECE && j < q; ++j)
+                if (!exact[j] && same_qparams(scale, zero_point, q, i, i - 1, j))
+                    errors[i * q + j] = errors[(i - 1) * q + j];
 }
 
 /* Columns (qparams) per piece of the comparisons' work: the pieces run
