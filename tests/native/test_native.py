@@ -108,16 +108,41 @@ def test_minmax_declines_what_it_does_not_handle() -> None:
     assert torch.equal(minmax(bf16)[0], bf16.float().amin(dim=(0, -1)))
 
 
-def test_pow24_is_within_3e_7_of_exact() -> None:
-    exps = torch.arange(-52.0, 53.0, 0.01)  # results normal float32: 2**-125..2**127
-    a = torch.exp2(exps).to(torch.float32)
+@pytest.mark.parametrize("fused", [False, True], ids=["mul_add", "fma"])
+@pytest.mark.parametrize(
+    "stride", [11, pytest.param(1, marks=pytest.mark.slow)], ids=["strided", "every"]
+)
+def test_pow24_is_within_3e_7_of_exact(fused: bool, stride: int) -> None:
+    """The float32 of [1, 32) (5 binades, one per residue of the exponent
+    mod 5: every mantissa, or every 11th), and their products with powers of
+    32: scaling a by 32 scales pow24(a) by 2**12 exactly (while the result
+    stays normal), so with stride 1 this covers every a in [2**-52, 2**53)
+    (largest error found: 2.9e-7 both ways)."""
+    bits = torch.arange(0, 1 << 23, stride, dtype=torch.int32)
+    for binade in range(5):
+        a = ((127 + binade) << 23 | bits).view(torch.float32)  # [2**b, 2**(b+1))
+        got = native.pow24(a, fused)
+        if got is None:
+            pytest.skip("no fused multiply-adds on this CPU or build")
+        exact = a.double() ** 2.4
+        assert ((got.double() - exact) / exact).abs().max().item() < 3e-7
+    a, got = a[::373], got[::373]
+    for power in range(-10, 11):  # a * 32**power in [2**-46, 2**60)
+        scaled = native.pow24(a * 32.0**power, fused)
+        assert scaled is not None
+        want = got * 2.0 ** (12 * power)  # exact: a power of two
+        normal = want.abs() >= torch.finfo(torch.float32).tiny
+        assert torch.equal(scaled[normal], want[normal])
+    edge = native.pow24(torch.tensor([0.0, 1e-40, 1.0, float("inf")]), fused)
+    assert edge is not None and edge.tolist() == [0.0, 0.0, 1.0, float("inf")]
+
+
+def test_pow24_of_the_kernels_is_one_of_both() -> None:
+    a = torch.rand(4096) * 4
     got = native.pow24(a)
     assert got is not None
-    exact = a.double() ** 2.4
-    rel = ((got.double() - exact) / exact).abs()
-    assert rel.max().item() < 3e-7
-    edge = native.pow24(torch.tensor([0.0, 1e-40, 1.0, float("inf")]))
-    assert edge is not None and edge.tolist() == [0.0, 0.0, 1.0, float("inf")]
+    fused = native.pow24(a, True)
+    assert torch.equal(got, native.pow24(a, False)) or torch.equal(got, fused)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=list(FORMATS))

@@ -79,7 +79,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         [_P, _I, _I, _I, _I, _P, _P, _F, _F, _INT, _INT, _INT, _F, _P, _INT],
         None,
     ),
-    "qo_pow24": ([_P, _P, _I], None),
+    "qo_pow24": ([_P, _P, _I, _INT], _I),
     "qo_mse_block": (
         [_P, _I, _I, _I, _I, _I, _P, _P, _F, _F, _INT, _INT, _INT, _F, _P, _P, _INT],
         None,

@@ -87,12 +87,18 @@ def mse_errors(
     return out
 
 
-def pow24(a: torch.Tensor) -> torch.Tensor | None:
-    """The kernel's `a ** 2.4` for float32 `a >= 0` (for tests), or None."""
+def pow24(a: torch.Tensor, fused: bool | None = None) -> torch.Tensor | None:
+    """The kernel's `a ** 2.4` for float32 `a >= 0` (for tests), or None.
+
+    `fused`: with fused multiply-adds (None where none is available) or
+    without; None: as the MSE kernels compute it.
+    """
     if not usable(a):
         return None
     out = torch.empty_like(a)
-    loaded().qo_pow24(a.data_ptr(), out.data_ptr(), a.numel())
+    how = -1 if fused is None else int(fused)
+    if loaded().qo_pow24(a.data_ptr(), out.data_ptr(), a.numel(), how) < 0:
+        return None
     return out
 
 

@@ -37,10 +37,13 @@
  *         v -= zp; d = v * s - x
  *     round is half-to-even to an integer (int formats) or to the grid of a
  *     signed float format (mantissa_bits, emin: the exponent of its smallest
- *     normal). norm 2.4 uses pow24 (relative error below 3e-7, against 1 ulp
- *     for powf) and norm 2 squares; other norms call powf. Sums: float32 over
- *     each 128 values of a row, float64 across.
- *   qo_pow24: pow24 over an array (for the tests).
+ *     normal). norm 2.4 uses pow24 (polynomials in the exponent's residue
+ *     mod 5 and in the mantissa, fused multiply-adds where the CPU has them;
+ *     relative error below 3e-7 either way, against 1 ulp for powf) and
+ *     norm 2 squares; other norms call powf. Sums: float32 over each 128
+ *     values of a row, float64 across.
+ *   qo_pow24: pow24 over an array, with or without fused multiply-adds
+ *     (for the tests).
  *   qo_mse_block, qo_mse_rows, qo_mse_marks: llm-compressor's grid search in
  *     blocks of candidates over one errors table (quantobs.solvers.mse_ties):
  *     the block's errors (qo_mse_errors' with x * (1 / s) for x / s, as the
@@ -119,7 +122,12 @@
  * gain) and min/max on rows of 16 (the AVX2 copy is 1.25x slower). The MSE
  * scorers (QO_WIDE_CLONES) have an AVX-512 copy too (x86-64-v4 with GCC 12+,
  * avx512f elsewhere): on an AMD EPYC with AVX-512 (Zen 4), 1.45x faster than
- * their AVX2 one; the other kernels were not measured with it.
+ * their AVX2 one, and so are the MSE search's marks (qo_mse_marks, 1.5x;
+ * its comparisons, qo_mse_rows, are no faster). The other kernels were not
+ * measured with it. The norm 2.4 scorers have a second set, QO_FMA_CLONES
+ * (x86-64-v4 and v3, GCC 12+), whose pow24 uses fused multiply-adds,
+ * chosen at run time on CPUs of x86-64-v3 and up (QO_FMA_ISA; 1.3x faster
+ * with AVX-512 than without FMA); other CPUs keep the unfused clones.
  *
  * target_clones needs GCC >= 6 or clang >= 14 on x86, and ifunc support from
  * the object format and libc (ELF with glibc or FreeBSD; not musl, macOS,
@@ -142,6 +150,11 @@
 #define QO_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #define QO_CLONE_TARGETS QO_WIDE_ISA ",avx2,default"
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define QO_FMA_ISA "x86-64-v3"
+#define QO_FMA_CLONES                                                              \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 #endif
 #endif
 #ifndef QO_HAS_CLONES
@@ -206,7 +219,7 @@ QO_API void qo_mse_errors(const float *x, int64_t n, int64_t q, int64_t g, int64
                           const float *scale, const float *zero_point, float qmin,
                           float qmax, int is_float, int mantissa_bits, int emin,
                           float norm, double *out, int threads);
-QO_API void qo_pow24(const float *a, float *out, int64_t n);
+QO_API int64_t qo_pow24(const float *a, float *out, int64_t n, int fused);
 QO_API void qo_mse_block(const float *x, int64_t n, int64_t q, int64_t g, int64_t c0,
                          int64_t c1, const float *scale, const float *zero_point,
                          float qmin, float qmax, int is_float, int mantissa_bits,
