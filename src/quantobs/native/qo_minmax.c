@@ -257,7 +257,7 @@ QO_CLONES int64_t qo_all_finite(const float *x, int64_t n, int threads) {
  * An empty range (min > max) counts as (0, 0) where empty_as_zero is set.
  * Returns 1, with `out` undefined, where the torch path must decide (and
  * raise): a non-finite value, min > max otherwise, an overflowing s. */
-QO_CLONES int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n,
+QO_WIDE_CLONES int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n,
                                       float divisor, float g, int has_g,
                                       int scale_fp8, float eps, int empty_as_zero,
                                       float *out, int threads) {
