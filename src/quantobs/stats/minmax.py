@@ -120,8 +120,9 @@ class MinMax(Statistic):
         """`empty`'s value for a first `update` only, made without a tensor
         per qparam: its ranges are broadcast views of one `+inf` / `-inf`,
         and `update` takes the batch's own range (what `minimum(+inf, v)`
-        gives, bit for bit) instead of reading them. Never stored (the views
-        are read-only); the observer's first batch starts from it."""
+        gives: the same bits, a NaN still NaN) instead of reading them.
+        Never stored (the views are read-only); the observer's first batch
+        starts from it."""
         low = torch.full((), math.inf, dtype=dtype, device=device)
         high = torch.full((), -math.inf, dtype=dtype, device=device)
         absmax = torch.zeros(1, device=device) if track_absmax else None
