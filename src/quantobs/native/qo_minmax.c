@@ -182,16 +182,25 @@ static Summary minmax_rows16(const float *restrict x, int64_t q, float *restrict
     return s;
 }
 
-/* the general case: any rows and group length */
-QO_CLONES static void minmax_rows(const float *x, int64_t n, int64_t q, int64_t g,
-                                  float *mins, float *maxs, int threads) {
+/* the general case: any rows and group length, with the ranges' summary */
+QO_CLONES static Summary minmax_rows(const float *x, int64_t n, int64_t q, int64_t g,
+                                     float *mins, float *maxs, int threads) {
     /* many rows: each thread folds a block of rows (read in order) into its
      * own min/max, then the blocks are folded; one row: qparams split */
     float *part = n > 1 ? malloc((size_t)(threads * 2 * q) * sizeof(float)) : NULL;
+    float glo = INFINITY, ghi = -INFINITY;
+    int gnan = 0;
     if (!part) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t j = 0; j < q; ++j)
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(min : glo) \
+    reduction(max : ghi) reduction(| : gnan)
+        for (int64_t j = 0; j < q; ++j) {
+            Summary s = {glo, ghi, gnan};
             qparam_minmax(x, n, q, g, j, mins + j, maxs + j);
+            fold_range(&s, mins[j], maxs[j]);
+            glo = s.lo;
+            ghi = s.hi;
+            gnan = s.nan;
+        }
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int t = 0; t < threads; ++t) {
@@ -206,6 +215,7 @@ QO_CLONES static void minmax_rows(const float *x, int64_t n, int64_t q, int64_t 
                     hi[j] = (b > hi[j] || b != b) ? b : hi[j];
                 }
         }
+        Summary s = {glo, ghi, gnan};
         for (int64_t j = 0; j < q; ++j) {
             float lo = part[j], hi = part[q + j];
             for (int t = 1; t < threads; ++t) {
@@ -216,30 +226,22 @@ QO_CLONES static void minmax_rows(const float *x, int64_t n, int64_t q, int64_t 
             }
             mins[j] = lo;
             maxs[j] = hi;
+            fold_range(&s, lo, hi);
         }
         free(part);
+        return s;
     }
+    Summary s = {glo, ghi, gnan};
+    return s;
 }
 
-/* min and max per qparam; returns summarize's answer over them */
+/* min and max per qparam; returns summarize's answer over them (their
+ * summary folded in as they are found: no second pass) */
 QO_CLONES int64_t qo_minmax(const float *x, int64_t n, int64_t q, int64_t g,
                             float *mins, float *maxs, float *absmax, int threads) {
-    if (n == 1 && g == 16) { /* the summary comes with the rows */
-        Summary s = minmax_rows16(x, q, mins, maxs, threads);
-        return summarize(s.lo, s.hi, s.nan, absmax);
-    }
-    minmax_rows(x, n, q, g, mins, maxs, threads);
-    /* the outputs are still in cache: one more pass over them */
-    float glo = INFINITY, ghi = -INFINITY;
-    int gnan = 0;
-#pragma omp parallel for simd schedule(static) num_threads(threads) reduction(min : glo) \
-    reduction(max : ghi) reduction(| : gnan)
-    for (int64_t j = 0; j < q; ++j) {
-        glo = mins[j] < glo ? mins[j] : glo;
-        ghi = maxs[j] > ghi ? maxs[j] : ghi;
-        gnan |= (mins[j] != mins[j]) | (maxs[j] != maxs[j]);
-    }
-    return summarize(glo, ghi, gnan, absmax);
+    Summary s = n == 1 && g == 16 ? minmax_rows16(x, q, mins, maxs, threads)
+                                  : minmax_rows(x, n, q, g, mins, maxs, threads);
+    return summarize(s.lo, s.hi, s.nan, absmax);
 }
 
 /* 1 where every value is finite (exponent field not all ones) */

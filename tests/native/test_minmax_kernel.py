@@ -1,9 +1,10 @@
-"""`qo_minmax` on rows of 16 values (NVFP4's groups) against torch.
+"""`qo_minmax` against torch: the ranges, and their summary (whether every
+value was finite, the absmax) folded in as the ranges are found.
 
-Rows of 16 have their own loop: AVX2 where the CPU has it (8 rows folded
-at a time; a block holding a NaN redone by the scalar loop), streaming
-stores for the outputs past 2**17 rows when both are 32-byte aligned, and
-the ranges' summary (finite? absmax) folded in as the rows are done.
+Rows of 16 values (NVFP4's groups) have their own loop: AVX2 where the CPU
+has it (8 rows folded at a time; a block holding a NaN redone by the scalar
+loop), streaming stores for the outputs past 2**17 rows when both are
+32-byte aligned.
 """
 
 from __future__ import annotations
@@ -117,3 +118,25 @@ def test_rows16_past_the_streaming_size_equal_torch(layout: str) -> None:
     _check(x, mins, maxs, absmax)
     x[STREAM_ROWS // 2 + 3, 9] = 1.0  # finite: the absmax is reported
     _check(x, mins, maxs, _run(x, mins, maxs, threads=2))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("n", "q", "g"), [(1, 37, 8), (1, 300, 128), (1, 3, 100), (3, 37, 24)]
+)
+@pytest.mark.parametrize("special", [None, math.nan, math.inf, -math.inf])
+def test_any_layout_reports_its_summary(
+    n: int, q: int, g: int, special: float | None, threads: int
+) -> None:
+    gen = torch.Generator().manual_seed(q + g)
+    x = torch.randn(n, q, g, generator=gen) * 1e3
+    if special is not None:
+        x[n - 1, q // 2, g - 1] = special
+    mins, maxs = torch.empty(2, q)
+    absmax = ctypes.c_float()
+    finite = loaded().qo_minmax(
+        x.data_ptr(), n, q, g, mins.data_ptr(), maxs.data_ptr(),
+        ctypes.byref(absmax), threads,
+    )  # fmt: skip
+    flat = x.transpose(0, 1).reshape(q, n * g)
+    _check(flat, mins, maxs, absmax.value if finite else None)
