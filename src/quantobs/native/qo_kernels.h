@@ -189,8 +189,8 @@ QO_API int64_t qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float 
 QO_API int64_t qo_all_finite(const float *x, int64_t n, int threads);
 QO_API int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n,
                                    float divisor, float g, int has_g, int scale_fp8,
-                                   float eps, int empty_as_zero, float *out,
-                                   int threads);
+                                   float eps, float floor, int empty_as_zero,
+                                   float *out, int threads);
 QO_API int64_t qo_range_absmax(const float *mn, const float *mx, int64_t n, float *out,
                                int threads);
 

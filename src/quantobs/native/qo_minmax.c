@@ -255,14 +255,15 @@ QO_CLONES int64_t qo_all_finite(const float *x, int64_t n, int threads) {
 
 /* Scales of symmetric args, in calculate_qparams' float32 order:
  *     amax = max(-min, max, 0); s = amax / divisor; s = g * s (has_g);
- *     scale_fp8: s = e4m3(min(s, 448)), round half to even; s <= 0 -> eps.
+ *     scale_fp8: s = e4m3(min(s, 448)), round half to even; s <= 0 -> eps;
+ *     s = max(s, floor) (the smallest normal float32, or 0: no floor).
  * An empty range (min > max) counts as (0, 0) where empty_as_zero is set.
  * Returns 1, with `out` undefined, where the torch path must decide (and
  * raise): a non-finite value, min > max otherwise, an overflowing s. */
 QO_WIDE_CLONES int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n,
                                       float divisor, float g, int has_g,
-                                      int scale_fp8, float eps, int empty_as_zero,
-                                      float *out, int threads) {
+                                      int scale_fp8, float eps, float floor,
+                                      int empty_as_zero, float *out, int threads) {
     int64_t bad = 0;
 #pragma omp parallel for simd schedule(static) num_threads(threads) reduction(| : bad)
     for (int64_t i = 0; i < n; ++i) {
@@ -277,7 +278,8 @@ QO_WIDE_CLONES int64_t qo_symmetric_scales(const float *mn, const float *mx, int
         s = has_g ? g * s : s;
         bad |= !isfinite(s);
         s = scale_fp8 ? round_format(s < 448.0f ? s : 448.0f, 1, 3, -6) : s;
-        out[i] = s > 0.0f ? s : eps;
+        s = s > 0.0f ? s : eps;
+        out[i] = s < floor ? floor : s;
     }
     return bad;
 }

@@ -279,17 +279,17 @@ def calculate_qparams(
         _check_global_scale(global_scale, checks)
     rounded = _rounded_dtype(observed_dtype)
     if args.symmetric and not args.is_mx and pow2 is None:
+        floor = _may_be_subnormal(args.scale_dtype, min_vals.dtype)
         if rounded is not None:
             scale = _rounded_symmetric_scales(
                 min_vals, max_vals, args, global_scale, empty_as_zero, rounded, checks
             )
-        else:
+            scale = _floor_positive(scale) if floor else scale
+        else:  # floored in the same pass
             scale = _symmetric_scales(
                 min_vals, max_vals, args.format, args.scale_dtype, global_scale,
-                empty_as_zero, checks,
+                empty_as_zero, floor, checks,
             )  # fmt: skip
-        if _may_be_subnormal(args.scale_dtype, scale.dtype):
-            scale = _floor_positive(scale)
         if own:
             checks.raise_first()
         return _with_zero_point(scale, None, args)
@@ -451,11 +451,12 @@ def _symmetric_scales(
     scale_dtype: torch.dtype | None,
     global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    floor: bool,
     checks: Checks,
 ) -> torch.Tensor:
     """Symmetric (non-MX) scales: `max(-min, max, 0) / ((qmax - qmin) / 2)`,
     times the global scale (its float32 value), rounded to `scale_dtype`,
-    zeros -> eps."""
+    zeros -> eps, subnormals raised to the smallest normal where `floor`."""
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals, checks)
@@ -464,7 +465,8 @@ def _symmetric_scales(
     gscale = None
     if global_scale is not None:
         gscale = global_scale.float().to(work).reshape(())
-    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
+    scale = _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
+    return _floor_positive(scale) if floor else scale
 
 
 def _rounded_symmetric_scales(
@@ -503,11 +505,13 @@ def _symmetric_scales_native(
     scale_dtype: torch.dtype | None,
     global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    floor: bool,
     checks: Checks,
 ) -> torch.Tensor | None:
-    """The float32 arithmetic in one pass (NVFP4's 1M group scales); declines
-    (None) for other dtypes, and where the torch path must raise (CPU only:
-    reading the global scale costs no device synchronisation there)."""
+    """The float32 arithmetic in one pass (NVFP4's 1M group scales), the
+    floor included; declines (None) for other dtypes, and where the torch
+    path must raise (CPU only: reading the global scale costs no device
+    synchronisation there)."""
     scale_dtype = scale_dtype or torch.float32
     if min_vals.dtype != torch.float32 or scale_dtype not in (
         torch.float32,
@@ -522,6 +526,7 @@ def _symmetric_scales_native(
         scale_dtype == torch.float8_e4m3fn,
         _zero_scale_replacement(scale_dtype),
         empty_as_zero,
+        floor=torch.finfo(torch.float32).tiny if floor else 0.0,
     )
 
 
