@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from quantobs.stats.base import Batch, weighted_mean
-from quantobs.stats.minmax import MinMax, MovingAverage, lerp, lerp_ranges
+from quantobs.stats.minmax import (
+    LatestRange,
+    MinMax,
+    MovingAverage,
+    lerp,
+    lerp_ranges,
+)
 from quantobs.stats.reduce import minmax_omit_nonfinite
 
 INF = float("inf")
@@ -27,6 +33,50 @@ def test_empty_range_is_the_identity_of_minmax_merge() -> None:
     )
     assert merged.min_vals.tolist() == [1.0, -1.0]
     assert merged.max_vals.tolist() == [2.0, -1.0]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bits of the values, every NaN as one (torch's minimum may return
+    another NaN than its operand's)."""
+    t = torch.where(torch.isnan(t), torch.nan, t)
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("cls", [MinMax, LatestRange])
+@pytest.mark.parametrize("track_absmax", [False, True])
+@pytest.mark.parametrize(
+    ("stat_dtype", "batch_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float64),  # promoted: the batch's own dtype
+        (torch.float64, torch.float32),  # widened: minimum/maximum then
+    ],
+)
+def test_starting_updates_as_empty_does(
+    cls: type[MinMax],
+    track_absmax: bool,
+    stat_dtype: torch.dtype,
+    batch_dtype: torch.dtype,
+) -> None:
+    # the first batch's statistic, bit for bit (NaN as NaN) and dtype for
+    # dtype; +-inf, +-0 and the empty range (+inf, -inf) kept as they came
+    low = torch.tensor([[-1.5, float("nan"), -INF, -0.0], [0.0, 2.0, INF, 3.0]])
+    high = torch.tensor([[2.5, float("nan"), INF, 0.0], [-0.0, 2.0, -INF, 3.0]])
+    low, high = low.to(batch_dtype), high.to(batch_dtype)
+    batch = Batch(None, low, high, 3, absmax=1.25 if track_absmax else None)
+    config = {"track_absmax": track_absmax, "dtype": stat_dtype}
+    starting = cls.starting((2, 4), torch.device("cpu"), **config)
+    fresh = cls.empty((2, 4), torch.device("cpu"), **config)
+    assert torch.equal(starting.min_vals, fresh.min_vals)  # the same value
+    ours, theirs = starting.update(batch), fresh.update(batch)
+    assert type(ours) is type(theirs) is cls
+    for name, value in theirs.state().items():
+        found = ours.state()[name]
+        assert found.dtype == value.dtype and found.shape == value.shape, name
+        assert torch.equal(_bits(found), _bits(value)), name
+    assert ours.config() == theirs.config()
+    again = ours.update(batch)  # a stored statistic updates as usual
+    assert torch.equal(_bits(again.min_vals), _bits(theirs.update(batch).min_vals))
 
 
 def test_lerp_matches_llm_compressor_form_and_skips_empty() -> None:

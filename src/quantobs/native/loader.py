@@ -68,7 +68,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # qo_minmax.c
     "qo_minmax": ([_P, _I, _I, _I, _P, _P, _P, _INT], _I),
     "qo_all_finite": ([_P, _I, _INT], _I),
-    "qo_symmetric_scales": ([_P, _P, _I, _F, _F, _INT, _INT, _F, _INT, _P, _INT], _I),
+    "qo_symmetric_scales": (
+        [_P, _P, _I, _F, _F, _INT, _INT, _F, _F, _INT, _P, _INT],
+        _I,
+    ),
     "qo_range_absmax": ([_P, _P, _I, _P, _INT], _I),
     # qo_histogram.c
     "qo_histogram": ([_P, _I, _I, _I, _P, _P, _I, _INT, _P, _INT], None),

@@ -82,12 +82,14 @@ def symmetric_scales(
     scale_fp8: bool,
     eps: float,
     empty_as_zero: bool,
+    floor: float = 0.0,
 ) -> torch.Tensor | None:
     """Scales of symmetric (non-MX) args from float32 ranges, or None.
 
     `calculate_qparams`' float32 arithmetic in its order: `max(-min, max, 0)
     / divisor`, times the global scale, rounded to FP8 e4m3 (saturating)
-    where `scale_fp8`, zeros replaced by `eps`. None (take the torch path,
+    where `scale_fp8`, zeros replaced by `eps`, then raised to `floor` (the
+    smallest normal number: no subnormal scale). None (take the torch path,
     which raises the right error) for a non-finite value, `min > max` unless
     `empty_as_zero` (then such a range counts as `(0, 0)`), or an overflow.
     """
@@ -103,6 +105,7 @@ def symmetric_scales(
         global_scale is not None,
         scale_fp8,
         eps,
+        floor,
         empty_as_zero,
         out.data_ptr(),
         threads(min_vals.numel()),

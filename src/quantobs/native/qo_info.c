@@ -35,7 +35,8 @@ const char *qo_build_info(void) {
 const char *qo_isa(void) {
 #if QO_HAS_CLONES
     __builtin_cpu_init();
-    /* the MSE scorers' widest clone; the other kernels' is avx2 */
+    /* the MSE scorers' and symmetric scales' widest clone; the others' is
+     * avx2 */
     if (__builtin_cpu_supports(QO_WIDE_ISA)) return QO_WIDE_ISA;
     if (__builtin_cpu_supports("avx2")) return "avx2";
 #endif

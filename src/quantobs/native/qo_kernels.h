@@ -15,7 +15,9 @@
  *     N and G (the canonical layout of quantobs.core.layout). NaN propagates
  *     like torch.amin / torch.amax. Also says whether every value was finite,
  *     and the largest |value|: what the caller would otherwise read them
- *     again for.
+ *     again for. Rows of 16 (N = 1, NVFP4's groups) have their own loop:
+ *     AVX2 intrinsics where the CPU has them (chosen at run time, not a
+ *     clone), streaming stores for outputs past 2**17 rows.
  *   qo_all_finite: whether every value is finite.
  *   qo_symmetric_scales: scales of symmetric args from min/max ranges, with
  *     calculate_qparams' float32 arithmetic in its order (NVFP4's group
@@ -74,8 +76,8 @@
  *     whose hash differs from the sources next to it (a stale build).
  *   qo_build_info: "openmp=<_OPENMP or 0>;clones=<targets>;compiler=<name>".
  *   qo_isa: the clone the ifunc resolvers picked on this CPU for the MSE
- *     scorers, the widest ("default" when the build has no clones; the other
- *     cloned kernels stop at avx2).
+ *     scorers and symmetric scales, the widest ("default" when the build has
+ *     no clones; the other cloned kernels stop at avx2).
  */
 #ifndef QO_KERNELS_H
 #define QO_KERNELS_H
@@ -119,11 +121,13 @@
  * calls), symmetric scales 6 to 14x, histogram counting 1.1 to 4.5x, pow24
  * 5x, torch's L2 terms 1.6 to 2.4x, min/max and finiteness about 1.15x. Not
  * cloned: the entropy and global L2 searches (float64, latency bound: no
- * gain) and min/max on rows of 16 (the AVX2 copy is 1.25x slower). The MSE
- * scorers (QO_WIDE_CLONES) have an AVX-512 copy too (x86-64-v4 with GCC 12+,
- * avx512f elsewhere): on an AMD EPYC with AVX-512 (Zen 4), 1.45x faster than
- * their AVX2 one, and so are the MSE search's marks (qo_mse_marks, 1.5x;
- * its comparisons, qo_mse_rows, are no faster). The other kernels were not
+ * gain) and min/max on rows of 16 (the AVX2 copy of its scalar loop is 1.25x
+ * slower; it has a hand-written AVX2 loop instead, see qo_minmax.c). The MSE
+ * scorers and the symmetric scales (QO_WIDE_CLONES) have an AVX-512 copy
+ * too (x86-64-v4 with GCC 12+, avx512f elsewhere): on an AMD EPYC with
+ * AVX-512 (Zen 4), 1.45x faster than their AVX2 one (symmetric scales:
+ * 1.3x), and so are the MSE search's marks (qo_mse_marks, 1.5x; its
+ * comparisons, qo_mse_rows, are no faster). The other kernels were not
  * measured with it. The norm 2.4 scorers have a second set, QO_FMA_CLONES
  * (x86-64-v4 and v3, GCC 12+), whose pow24 uses fused multiply-adds,
  * chosen at run time on CPUs of x86-64-v3 and up (QO_FMA_ISA; 1.3x faster
@@ -198,8 +202,8 @@ QO_API int64_t qo_minmax(const float *x, int64_t n, int64_t q, int64_t g, float 
 QO_API int64_t qo_all_finite(const float *x, int64_t n, int threads);
 QO_API int64_t qo_symmetric_scales(const float *mn, const float *mx, int64_t n,
                                    float divisor, float g, int has_g, int scale_fp8,
-                                   float eps, int empty_as_zero, float *out,
-                                   int threads);
+                                   float eps, float floor, int empty_as_zero,
+                                   float *out, int threads);
 QO_API int64_t qo_range_absmax(const float *mn, const float *mx, int64_t n, float *out,
                                int threads);
 

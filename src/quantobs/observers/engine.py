@@ -308,6 +308,14 @@ class ObserverEngine(torch.nn.Module):
             raise TypeError(f"{type(self).__name__} keeps no statistic")
         return stype.empty(qparam_shape, device, **self.statistic_config())
 
+    def _starting_statistic(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        """What the first batch updates (`_current_for` before any data):
+        `_new_statistic`'s; a subclass may return an equal one that is
+        cheaper to make and update (e.g. `MinMax.starting`), never stored."""
+        return self._new_statistic(qparam_shape, device)
+
     def _current_for(
         self, qparam_shape: tuple[int, ...], device: torch.device
     ) -> Statistic:
@@ -319,7 +327,7 @@ class ObserverEngine(torch.nn.Module):
         """
         current = self.statistic()
         if current is None:
-            return self._new_statistic(qparam_shape, device)
+            return self._starting_statistic(qparam_shape, device)
         if current.qparam_shape != qparam_shape:
             raise self._shape_error(current.qparam_shape, qparam_shape)
         return current

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from pydantic import Field
 
 from quantobs.observers.base import Observer, ObserverOptions
+from quantobs.stats.base import Statistic
 from quantobs.stats.minmax import LatestRange, MinMax, MovingAverage
 
 __all__ = [
@@ -49,6 +51,12 @@ class MemorylessMinMaxObserver(Observer):
     def statistic_config(self) -> dict[str, Any]:
         return {"track_absmax": self._tracks_global()}
 
+    def _starting_statistic(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        # no (+inf, -inf) tensors per qparam written for the first batch
+        return LatestRange.starting(qparam_shape, device, **self.statistic_config())
+
 
 @Observer.register("static_minmax")
 class StaticMinMaxObserver(Observer):
@@ -58,6 +66,12 @@ class StaticMinMaxObserver(Observer):
 
     def statistic_config(self) -> dict[str, Any]:
         return {"track_absmax": self._tracks_global()}
+
+    def _starting_statistic(
+        self, qparam_shape: tuple[int, ...], device: torch.device
+    ) -> Statistic:
+        # no (+inf, -inf) tensors per qparam written for the first batch
+        return MinMax.starting(qparam_shape, device, **self.statistic_config())
 
 
 @Observer.register("minmax")

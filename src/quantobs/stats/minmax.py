@@ -109,15 +109,54 @@ class MinMax(Statistic):
         absmax = torch.zeros(1, device=device) if track_absmax else None
         return cls(low, high, absmax, track_absmax)
 
+    @classmethod
+    def starting(
+        cls,
+        qparam_shape: tuple[int, ...],
+        device: torch.device,
+        *,
+        track_absmax: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> MinMax:
+        """`empty`'s value for a first `update` only, made without a tensor
+        per qparam: its ranges are broadcast views of one `+inf` / `-inf`,
+        and `update` takes the batch's own range (what `minimum(+inf, v)`
+        gives: the same bits, a NaN still NaN) instead of reading them.
+        Never stored (the views are read-only); the observer's first batch
+        starts from it."""
+        low = torch.full((), math.inf, dtype=dtype, device=device)
+        high = torch.full((), -math.inf, dtype=dtype, device=device)
+        absmax = torch.zeros(1, device=device) if track_absmax else None
+        stat = cls(
+            low.expand(qparam_shape), high.expand(qparam_shape), absmax, track_absmax
+        )
+        object.__setattr__(stat, "_starting", True)  # not state, not config
+        return stat
+
     @property
     def qparam_shape(self) -> tuple[int, ...]:
         return tuple(self.min_vals.shape)
+
+    def _takes_batch(self, batch: Batch) -> bool:
+        """Whether `update` from this statistic is the batch's own range: a
+        `starting` one whose `minimum` / `maximum` would return the batch's
+        ranges unchanged (same shape, device, and dtype after promotion)."""
+        low = batch.min_vals
+        return (
+            getattr(self, "_starting", False)
+            and low.shape == self.min_vals.shape
+            and low.device == self.min_vals.device
+            and torch.promote_types(self.min_vals.dtype, low.dtype) == low.dtype
+            and batch.max_vals.dtype == low.dtype
+        )
 
     def update(self, batch: Batch) -> MinMax:
         absmax = self.absmax
         if self.track_absmax:
             found = _batch_absmax(batch).to(self.min_vals.device)
             absmax = found if absmax is None else torch.maximum(absmax, found)
+        if self._takes_batch(batch):  # a first batch: no pass per qparam
+            return MinMax(batch.min_vals, batch.max_vals, absmax, self.track_absmax)
         return MinMax(
             torch.minimum(self.min_vals, batch.min_vals),
             torch.maximum(self.max_vals, batch.max_vals),

@@ -279,17 +279,17 @@ def calculate_qparams(
         _check_global_scale(global_scale, checks)
     rounded = _rounded_dtype(observed_dtype)
     if args.symmetric and not args.is_mx and pow2 is None:
+        floor = _may_be_subnormal(args.scale_dtype, min_vals.dtype)
         if rounded is not None:
             scale = _rounded_symmetric_scales(
                 min_vals, max_vals, args, global_scale, empty_as_zero, rounded, checks
             )
-        else:
+            scale = _floor_positive(scale) if floor else scale
+        else:  # floored in the same pass
             scale = _symmetric_scales(
                 min_vals, max_vals, args.format, args.scale_dtype, global_scale,
-                empty_as_zero, checks,
+                empty_as_zero, floor, checks,
             )  # fmt: skip
-        if _may_be_subnormal(args.scale_dtype, scale.dtype):
-            scale = _floor_positive(scale)
         if own:
             checks.raise_first()
         return _with_zero_point(scale, None, args)
@@ -451,11 +451,12 @@ def _symmetric_scales(
     scale_dtype: torch.dtype | None,
     global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    floor: bool,
     checks: Checks,
 ) -> torch.Tensor:
     """Symmetric (non-MX) scales: `max(-min, max, 0) / ((qmax - qmin) / 2)`,
     times the global scale (its float32 value), rounded to `scale_dtype`,
-    zeros -> eps."""
+    zeros -> eps, subnormals raised to the smallest normal where `floor`."""
     if empty_as_zero:
         min_vals, max_vals = range_or_zero(min_vals, max_vals)
     _check_range(min_vals, max_vals, checks)
@@ -464,7 +465,8 @@ def _symmetric_scales(
     gscale = None
     if global_scale is not None:
         gscale = global_scale.float().to(work).reshape(())
-    return _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
+    scale = _finish_scale(scale, gscale, scale_dtype, min_vals.dtype, checks)
+    return _floor_positive(scale) if floor else scale
 
 
 def _rounded_symmetric_scales(
@@ -503,11 +505,13 @@ def _symmetric_scales_native(
     scale_dtype: torch.dtype | None,
     global_scale: torch.Tensor | None,
     empty_as_zero: bool,
+    floor: bool,
     checks: Checks,
 ) -> torch.Tensor | None:
-    """The float32 arithmetic in one pass (NVFP4's 1M group scales); declines
-    (None) for other dtypes, and where the torch path must raise (CPU only:
-    reading the global scale costs no device synchronisation there)."""
+    """The float32 arithmetic in one pass (NVFP4's 1M group scales), the
+    floor included; declines (None) for other dtypes, and where the torch
+    path must raise (CPU only: reading the global scale costs no device
+    synchronisation there)."""
     scale_dtype = scale_dtype or torch.float32
     if min_vals.dtype != torch.float32 or scale_dtype not in (
         torch.float32,
@@ -522,6 +526,7 @@ def _symmetric_scales_native(
         scale_dtype == torch.float8_e4m3fn,
         _zero_scale_replacement(scale_dtype),
         empty_as_zero,
+        floor=torch.finfo(torch.float32).tiny if floor else 0.0,
     )
 
 
@@ -610,6 +615,13 @@ def check_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
     return global_scale
 
 
+def _on_host(x: torch.Tensor) -> bool:
+    """Whether `x` is read on the host at once: a CPU tensor with the native
+    (CPU) kernels on, where a read waits for nothing. The torch path (the one
+    a CUDA tensor takes; `QUANTOBS_NATIVE=0`) reads nothing (issue 24)."""
+    return x.device.type == "cpu" and native.available()
+
+
 def _check_global_scale(global_scale: torch.Tensor, checks: Checks) -> None:
     """`check_global_scale`: its type and shape at once, its value added to
     `checks`."""
@@ -622,8 +634,14 @@ def _check_global_scale(global_scale: torch.Tensor, checks: Checks) -> None:
             f"global_scale must hold one value (shape (1,)), got shape "
             f"{tuple(global_scale.shape)}"
         )
-    value = global_scale.detach().float().reshape(())
     top = torch.finfo(torch.float32).max  # finite and positive; NaN fails
+    if _on_host(global_scale):  # read at once: no synchronisation
+        found = float(global_scale)
+        if not 0 < found <= top:  # only a failed check is queued, in order
+            value = torch.tensor(found, dtype=torch.float32)
+            checks.add(torch.ones(()), _global_scale_error, value)
+        return
+    value = global_scale.detach().float().reshape(())
     checks.add(~((value > 0) & (value <= top)), _global_scale_error, value)
 
 
@@ -667,14 +685,18 @@ def amax_to_global_scale(
     quant_fmt = (
         get_format(quant_format) if isinstance(quant_format, str) else quant_format
     )
+    work = _rounded_dtype(observed_dtype) or torch.float32
+    product = scale_fmt.max * quant_fmt.max
+    if work == torch.float32:
+        found = _global_scale_on_host(amax, product)
+        if found is not None:
+            return torch.tensor([found], dtype=torch.float32).to(dtype)
     own = checks is None
     checks = Checks() if checks is None else checks
     # non-finite values: amax - amax is NaN there, 0 elsewhere
     checks.add(torch.count_nonzero(amax - amax), _nonfinite_amax_error)
     if own:
         checks.raise_first()
-    work = _rounded_dtype(observed_dtype) or torch.float32
-    product = scale_fmt.max * quant_fmt.max
     # a (1,)-like amax of values of `work` (exact in it; a searched range
     # past its max saturates)
     amax = amax.to(torch.float32).abs()
@@ -686,6 +708,34 @@ def amax_to_global_scale(
         _warn_float16_overflow(amax, product)
     global_scale = torch.where(finite, global_scale, torch.ones_like(global_scale))
     return global_scale.to(dtype).reshape(1)
+
+
+#: the largest amax whose float32 reciprocal `_global_scale_on_host` takes
+#: (a normal number: `rounded_to` rounds normal numbers only)
+_HOST_AMAX_MAX = 2.0**100
+
+
+def _global_scale_on_host(amax: torch.Tensor, product: float) -> float | None:
+    """`amax_to_global_scale`'s float32 arithmetic for one finite CPU value,
+    on the host (no torch op per step; no synchronisation on the CPU): the
+    amax in float32, clamped to `[tiny, max]`, `1 / amax` rounded (what
+    `product / tensor` computes first: a reciprocal), times `product`
+    rounded, 1.0 where that overflows. A float64 quotient of float32 numbers
+    rounded to float32 is the float32 quotient (53 >= 2 * 24 + 2 bits), and
+    the product of a float32 number and `product` (a float32 constant with
+    few bits) is exact in float64. None (the tensor path) off the host
+    (`_on_host`), for a non-finite or huge amax, or a `product` that float32
+    rounds."""
+    if not _on_host(amax) or amax.numel() != 1:
+        return None
+    value = abs(float(amax))
+    if not value <= _HOST_AMAX_MAX or rounded_to(product, torch.float32) != product:
+        return None  # NaN and inf fail the first test
+    tiny = torch.finfo(torch.float32).tiny
+    value = tiny if value < tiny else rounded_to(value, torch.float32)
+    reciprocal = rounded_to(1.0 / value, torch.float32)
+    found = rounded_to(reciprocal * product, torch.float32)
+    return found if math.isfinite(found) else 1.0
 
 
 def _warn_float16_overflow(amax: torch.Tensor, product: float) -> None:
