@@ -194,11 +194,35 @@ _MX_OWN_MANTISSA = frozenset({"float6_e2m3fn"})
 
 
 def _mx_scales(
-    amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
+    amax: torch.Tensor,
+    fmt: NumberFormat,
+    rounding: Pow2Rounding,
+    rounded: torch.dtype | None = None,
 ) -> torch.Tensor:
-    # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
+    """`(*Q,)` MX scales `2 ** (exponent(amax) - emax)` (e8m0 values) of a
+    `(*Q,)` amax, in its dtype.
+
+    With `rounded` (bfloat16 / float16 arithmetic) the amax is a value of
+    that dtype (saturating), its own bits are rounded (`pow2_exponent`'s
+    `bits_of`: a float16 subnormal becomes 2**-14 or 0), and a scale that
+    the dtype cannot hold (below its smallest subnormal, 2**-24 in float16:
+    it rounds to 0 there) is 1.0, compressed-tensors' replacement of a zero
+    scale of its uint8 scale dtype. So a float16 all-zero block gets 1.0, as
+    in compressed-tensors, and no scale is 0 once cast to the dtype.
+    """
     bits = fmt.mantissa_bits if fmt.name in _MX_OWN_MANTISSA else 1
-    return e8m0_scale(pow2_exponent(amax, rounding, bits), fmt.emax)
+    if rounded is None:
+        return e8m0_scale(pow2_exponent(amax, rounding, bits), fmt.emax)
+    info = torch.finfo(rounded)
+    amax = amax.clamp(max=info.max).to(rounded).to(amax.dtype)
+    exponent = pow2_exponent(amax, rounding, bits, bits_of=rounded)
+    scale = e8m0_scale(exponent, fmt.emax)
+    # (*Q,) scales below the dtype's least subnormal round to 0 in it
+    return scale.masked_fill_(scale < info.tiny * info.eps, _MX_ZERO_SCALE)
+
+
+#: compressed-tensors' replacement of a zero MX scale (its eps of uint8)
+_MX_ZERO_SCALE = 1.0
 
 
 def _round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -305,7 +329,7 @@ def calculate_qparams(
     if args.symmetric:  # MX, or power-of-two scales
         amax = _amax(min_vals, max_vals, work)
         if args.is_mx:
-            scale = _mx_scales(amax, fmt, pow2 or "round")
+            scale = _mx_scales(amax, fmt, pow2 or "round", rounded)
         else:
             scale = divide(amax, (qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below
