@@ -38,7 +38,9 @@ def tiny_maxima(dtype: torch.dtype) -> list[float]:
     return [float(torch.tensor(m).to(dtype)) for m in found]
 
 
-def tiny_groups(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def tiny_groups(
+    rows: int, cols: int, dtype: torch.dtype, seed: int = 0
+) -> torch.Tensor:
     """A `(rows, cols)` weight of `dtype` (cols a multiple of 32): every
     other group of 32 columns has one of `tiny_maxima(dtype)` as its
     absolute maximum (the maximum itself among values below it, either

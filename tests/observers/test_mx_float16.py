@@ -34,13 +34,13 @@ from tests.tiny_groups import tiny_groups
 pytest.importorskip("compressed_tensors", reason="the parity peer")
 pytest.importorskip("llmcompressor", reason="the parity peer")
 
-from compressed_tensors.quantization import (  # noqa: E402
+from compressed_tensors.quantization import (
     QuantizationArgs as CTArgs,
 )
-from compressed_tensors.quantization.utils.helpers import (  # noqa: E402
+from compressed_tensors.quantization.utils.helpers import (
     calculate_qparams as ct_calculate_qparams,
 )
-from llmcompressor.observers import Observer as LObserver  # noqa: E402
+from llmcompressor.observers import Observer as LObserver
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -161,7 +161,7 @@ def test_the_float32_search_on_tiny_groups(fmt: str, dtype: torch.dtype) -> None
     weight = tiny_groups(8, 256, dtype)
     expected = theirs(weight).get_qparams()["scale"]
     ours.update(weight)
-    scale, zero_point = ours.get_qparams()
+    scale, _ = ours.get_qparams()
     assert scale.dtype == expected.dtype == dtype
     assert bool((scale > 0).all() & torch.isfinite(scale).all())
     amax = weight.reshape(-1, 32).abs().amax(dim=1).float()  # (Q,)

@@ -16,6 +16,9 @@ non-finite or out-of-range result:
 * An MX amax near the float32 maximum gets the scale `2**(128 - emax)`
   (compressed-tensors rounds it to `inf` in float32 bits and returns an
   infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
+  Likewise in float16 arithmetic an amax that rounds past 65504 (57344 and
+  up; FP6 e2m3: 63488) gets `2**(16 - emax)`, and in bfloat16 `2**(128 -
+  emax)`, where compressed-tensors' scale is infinite.
 * A (non-MX, non-power-of-two) scale below the smallest normal number of the
   dtype it is returned in (`finfo(dtype).tiny`: 2**-126 for float32) is
   raised to it. compressed-tensors keeps the subnormal scale, rounded to the
@@ -57,6 +60,17 @@ mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up)
 for FP4 and FP8 elements, and (0.20) to the element's three for FP6 e2m3
 (`mantissa_bits=3`: 1.9375 or more goes up, so a block whose amax rounds to
 7.5 keeps the exponent that maps it to e2m3's largest value).
+
+MX in the observed dtype. compressed-tensors rounds the amax's own bits in
+that dtype: a float16 subnormal amax (below 2**-14) becomes 2**-14 from
+`0.75 * 2**-14` up (e2m3: `0.9375 * 2**-14`) and 0 below it; `log2(0)` is
+`-inf`, clamped to the uint8 code 0, whose `2**-127` (computed in float32)
+is cast back to float16 like every scale: below 2**-24 it is 0 there, and a
+zero scale becomes the eps of its uint8 scale dtype, 1.0. With
+`observed_dtype=torch.float16` the rule does the same (`_mx_scales`), so an
+all-zero or tiny float16 block gets compressed-tensors' 1.0 and no float16
+MX scale is ever 0; bfloat16 holds every e8m0 scale, and there (as in
+float32) the clamp to `2**-127` already gives compressed-tensors' numbers.
 """
 
 from __future__ import annotations
@@ -280,7 +294,9 @@ def calculate_qparams(
             float16 round symmetric (non-MX) scales to it before the global
             scale multiplies them, and asymmetric scales and zero points at
             each step, as compressed-tensors computes in it (the zero-scale
-            replacement is then its eps); None: float32.
+            replacement is then its eps); MX scales from the amax's bits in
+            it, 1.0 where the dtype cannot hold the scale (module
+            docstring); None: float32.
         checks: where the checks of the data go (`quantobs.core.checks`):
             the caller raises them. Without it they are read at the end,
             all at once (one host-device synchronisation).

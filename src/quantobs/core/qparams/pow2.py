@@ -18,6 +18,10 @@ and Quark's "even" are two different `round` widths)::
                                          fp6_e2m3 / fp8_e4m3 3, MXINT8 8)
     Quark MX "floor" / "ceil"            floor / ceil
 
+compressed-tensors rounds the bits of the amax in its own dtype, so a
+subnormal of that dtype rounds to its smallest normal or to 0
+(`pow2_exponent(..., bits_of=dtype)`: float16 values below 2**-14).
+
 The MX shared scale is `2**(exponent - emax)` of the element format, an
 e8m0 value clamped to `2**-127 .. 2**127`. `pow2_nearest` rounds a scale to
 the nearest power of two in log2 (Quark's `pof2` scales: `m < sqrt(2)` goes
