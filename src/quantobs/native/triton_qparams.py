@@ -14,7 +14,9 @@ on every device:
   it: each operation in float32, then rounded to nearest even in the
   dtype (bfloat16 from the float's bits; float16 by the cast);
 * FP8 e4m3 scale rounding by the Veltkamp split and MX exponents from the
-  float's bits (`triton_shrink._round_float`, `_pow2`);
+  float's bits (`triton_shrink._round_float`, `_pow2`); in float16
+  arithmetic a subnormal amax rounds to 2**-14 or 0 and a scale below
+  2**-24 becomes 1.0, as the torch rule (`compressed_tensors._mx_scales`);
 * the rule's checks counted on the device in one `(8,)` int32 vector
   (`FLAG_*`), read by the caller in one host read.
 
