@@ -3,6 +3,7 @@
 Every registered observer gives finite positive scales, zero points inside
 the quantized range and finite fake quantization on finite inputs near the
 limits of float32 / float16 / bfloat16 (subnormals, values near the max,
+groups of zeros and of subnormal or tiny normal maxima under MX,
 mixed-sign extremes whose range overflows, ranges growing by many orders of
 magnitude between batches); `nan_policy="omit"` keeps "nothing observed"
 for batches without a finite value; 1-D activations are one token, as in
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs as CTArgs
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from llmcompressor.observers import Observer as LObserver
 
@@ -29,10 +30,11 @@ from quantobs import (
     fake_quantize,
     preset_scheme,
 )
+from tests.tiny_groups import tiny_groups
 
 F32_MAX = torch.finfo(torch.float32).max
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-KINDS = ["near_max", "mixed", "subnormal", "scaled"]
+KINDS = ["near_max", "mixed", "subnormal", "scaled", "tiny_groups"]
 
 _NVFP4 = preset_scheme("NVFP4").weights
 _MXFP4 = preset_scheme("MXFP4").weights
@@ -57,6 +59,7 @@ ARGS: dict[str, QuantizationArgs] = {
 }
 ARGS["nvfp4"] = _NVFP4
 ARGS["mxfp4"] = _MXFP4
+ARGS["mxfp8"] = _MXFP4.model_copy(update={"num_bits": 8})
 
 
 def _batch(kind: str, dtype: torch.dtype, draw: int, seed: int) -> torch.Tensor:
@@ -73,6 +76,9 @@ def _batch(kind: str, dtype: torch.dtype, draw: int, seed: int) -> torch.Tensor:
         x[:, 0::16], x[:, 1::16] = info.max, -info.max
     elif kind == "subnormal":  # below the smallest normal number
         x = base * info.tiny * 2.0 ** -(draw % (1 - int(math.log2(info.eps))))
+    elif kind == "tiny_groups":  # rows of zero, subnormal, tiny normal maxima
+        start = (draw % 4) * 64  # a group of tiny_groups' tiny ones
+        x = tiny_groups(4, 256, dtype, draw)[:, start : start + 32].double()
     else:  # any binade of the dtype, subnormals to the top
         x = base * 2.0 ** (lowest + draw % (int(math.log2(info.max)) - lowest + 1))
     x = x.clamp(-info.max, info.max).to(dtype)
@@ -112,6 +118,9 @@ def _check_qparams(
         max_size=3,
     ),
 )
+# MX on float16 blocks of zeros / subnormal maxima, every observer (issue 25)
+@example(args_name="mxfp4", dtype=torch.float16, batches=[("tiny_groups", 2)])
+@example(args_name="mxfp8", dtype=torch.float16, batches=[("tiny_groups", 0)])
 def test_every_observer_is_finite_on_extreme_inputs(
     name: str,
     args_name: str,

@@ -7,7 +7,9 @@ input, output, q, k, v) x the args of every preset scheme that applies to
 them (int 2 to 8 bits per tensor / channel / group, FP8 per tensor /
 channel / block / token / group, MXFP4 / MXFP6 / MXFP8, NVFP4) plus per-head
 and asymmetric ones x float32 / float16 / bfloat16, fed values of +-max,
-within 2**-6 of it, all +max, or +-max among ordinary values, with or
+within 2**-6 of it, all +max, +-max among ordinary values, or +-max beside
+groups of zeros and of subnormal / tiny normal maxima (`tests/tiny_groups.py`:
+MX scales of float16 values that compressed-tensors' rule makes 1.0), with or
 without NaN and +-inf among them. Each observation ends with finite
 positive scales (and global scales), zero points in range, and no
 exception: a combination the observer refuses is refused when it is built
@@ -21,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from quantobs import (
@@ -32,9 +34,10 @@ from quantobs import (
     preset_scheme,
 )
 from quantobs.core.layout import check_supported
+from tests.tiny_groups import tiny_groups
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-KINDS = ["at_max", "near_max", "all_max", "mixed"]
+KINDS = ["at_max", "near_max", "all_max", "mixed", "tiny_groups"]
 BASE_NAMES = ["weight", "input", "output", "q", "k", "v"]
 # A tensor of each base name: 128 columns for the presets' groups of 128.
 SHAPES = {
@@ -105,6 +108,9 @@ def batch(kind: str, dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> A
         x = sign * top * (1 - torch.rand(shape, generator=gen).double() * 2.0**-6)
     elif kind == "all_max":
         x = torch.full(shape, top, dtype=torch.float64)
+    elif kind == "tiny_groups":  # +-max beside groups of zero / tiny maxima
+        x = tiny_groups(base.numel() // 32, 32, dtype, seed).double().reshape(shape)
+        x.view(-1, 32)[1::2, 0] = sign.view(-1, 32)[1::2, 0] * top
     else:  # +-max among ordinary values
         x = base.clone()
         x.view(-1)[0::7], x.view(-1)[1::7] = top, -top
@@ -143,6 +149,15 @@ def check_qparams(observer: Observer, args: QuantizationArgs) -> None:
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=2),
     nonfinite=st.booleans(),
 )
+# MX on float16 groups of zeros / subnormal maxima beside +-max (issue 25)
+@example(
+    combo=("weight", "MXFP8-weights"), dtype=torch.float16,
+    kinds=["tiny_groups"], nonfinite=True,
+)  # fmt: skip
+@example(
+    combo=("input", "MXFP4-weights"), dtype=torch.float16,
+    kinds=["tiny_groups"], nonfinite=False,
+)  # fmt: skip
 def test_values_near_the_max_are_observed_under_omit(
     name: str,
     combo: tuple[str, str],

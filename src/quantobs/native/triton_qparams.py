@@ -14,7 +14,9 @@ on every device:
   it: each operation in float32, then rounded to nearest even in the
   dtype (bfloat16 from the float's bits; float16 by the cast);
 * FP8 e4m3 scale rounding by the Veltkamp split and MX exponents from the
-  float's bits (`triton_shrink._round_float`, `_pow2`);
+  float's bits (`triton_shrink._round_float`, `_pow2`); in float16
+  arithmetic a subnormal amax rounds to 2**-14 or 0 and a scale below
+  2**-24 becomes 1.0, as the torch rule (`compressed_tensors._mx_scales`);
 * the rule's checks counted on the device in one `(8,)` int32 vector
   (`FLAG_*`), read by the caller in one host read.
 
@@ -173,13 +175,21 @@ def _range_qparams_kernel(
         z = (z + 12582912.0) - 12582912.0  # half to even (|z| < 2**22)
     else:  # MX: 2 ** (exponent of amax rounded to k bits - emax)
         amax = tl.maximum(tl.maximum(-lo, hi), 0.0)
+        if ROUNDED != 0:  # a value of the observed dtype (saturating)
+            amax = _rounded(tl.minimum(amax, rd_max), ROUNDED)
         bits = amax.to(tl.int32, bitcast=True)
         biased = (bits >> 23) & 0xFF
         sig = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
         e = (biased - 127).to(tl.float32) + (sig >= mx_threshold).to(tl.float32)
         n = tl.minimum(tl.maximum(e - mx_emax, -127.0), 127.0)
         n = tl.where(biased == 0, -127.0, n)  # zero, subnormal: the least
+        if ROUNDED == 2:  # float16's bits: its subnormals -> 2**-14 or 0
+            up = amax >= (mx_threshold - 1.0) * 6.103515625e-05
+            n_sub = tl.where(up, tl.maximum(-14.0 - mx_emax, -127.0), -127.0)
+            n = tl.where(amax < 6.103515625e-05, n_sub, n)
         s = _pow2(n)
+        if ROUNDED == 2:  # below float16's least subnormal 2**-24: 0 -> 1.0
+            s = tl.where(s < 5.960464477539063e-08, 1.0, s)
     if ROUND_SCALE:
         s = _round_fp(s, s_top, s_split, s_magic, s_min_normal)
     s = tl.where(s <= 0, eps, s)

@@ -22,6 +22,7 @@ import torch
 
 import quantobs.faces.quark as ours
 from quantobs.core.qparams import quark_rule as ours_qparams
+from tests.tiny_groups import tiny_groups
 
 # Quark's power-of-two observers copy-construct tensors with torch.tensor().
 _QUARK_COPY_WARNING = "ignore:To copy construct from a tensor:UserWarning"
@@ -362,6 +363,37 @@ def test_mx_e8m0_parity(
     )
     run(observers, _mx_batches(shape, INPUTS[x_dtype]))
     assert_same(observers[0]._calculate_qparams(), observers[1]._calculate_qparams())
+
+
+@pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
+@pytest.mark.parametrize("x_dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("element", ["fp4", "fp6_e2m3", "fp8_e4m3"])
+def test_mx_blocks_of_zeros_and_tiny_maxima_are_positive(
+    q: SimpleNamespace, element: str, x_dtype: str, mode: str
+) -> None:
+    # Blocks of zeros, subnormal and tiny normal maxima (issue 25): Quark's
+    # e8m0 "even" scales are float32 (2**-127 for a zero block), its floor /
+    # ceil ones in the input's dtype with a floor of 2**-23: never 0; ours
+    # are Quark's, bit for bit, except bfloat16 floor / ceil, where Quark
+    # floors a log2 rounded in bfloat16 (MX_MODES; ours are exact, >= 2**-127).
+    observers = pair(
+        q,
+        "PerBlockMXObserver",
+        dtype=element,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=32,
+        scale_format="e8m0",
+        scale_calculation_mode=mode,
+        is_dynamic=False,
+        scale_type="float",
+        round_method="half_even",
+    )
+    run(observers, [tiny_groups(8, 256, INPUTS[x_dtype])])
+    theirs, mine = observers[0]._calculate_qparams(), observers[1]._calculate_qparams()
+    if mode == "even" or x_dtype == "f16":
+        assert_same(theirs, mine)
+    assert bool((mine[0] > 0).all() & torch.isfinite(mine[0]).all())
 
 
 @pytest.mark.parametrize("x_dtype", INPUTS)

@@ -28,6 +28,7 @@ from tests.format_args import MXFP4, NVFP4
 
 ARITHMETIC = [None, torch.bfloat16, torch.float16]
 MXFP8: dict[str, Any] = {**MXFP4, "num_bits": 8}
+MXFP6: dict[str, Any] = {**MXFP4, "num_bits": 6}  # e2m3: its own 3 bits
 CASES: dict[str, dict[str, Any]] = {
     "int4-group": {"num_bits": 4, "strategy": "group", "group_size": 16},
     "int4-group-asym": {
@@ -48,6 +49,7 @@ CASES: dict[str, dict[str, Any]] = {
     "nvfp4": NVFP4,
     "mxfp4": MXFP4,
     "mxfp8": MXFP8,
+    "mxfp6": MXFP6,
 }  # fmt: skip
 
 
@@ -63,7 +65,9 @@ def _ranges(arith: torch.dtype | None, seed: int = 0) -> tuple[torch.Tensor, ...
     b = torch.randn(40, generator=gen) * 10.0 ** torch.randint(
         -6, 6, (40,), generator=gen
     )
-    a[:20], b[:20] = a[:20].to(dtype).float(), b[:20].to(dtype).float()
+    # values of the dtype, finite (a float16 cast past 65504 would be inf)
+    a[:20] = a[:20].clamp(-top, top).to(dtype).float()
+    b[:20] = b[:20].clamp(-top, top).to(dtype).float()
     lo, hi = torch.minimum(a, b), torch.maximum(a, b)
     tiny = torch.finfo(torch.float32).tiny
     edges = [
@@ -83,6 +87,15 @@ def _ranges(arith: torch.dtype | None, seed: int = 0) -> tuple[torch.Tensor, ...
         (-65504.0, 1.0),
         (-448.0, 448.0),
         (-6.0, 6.0),
+        # float16's subnormal maxima (below 2**-14): MX rounds their bits
+        # to 2**-14 from 0.75 * 2**-14 (FP6 e2m3: 0.9375), else to 0 -> 1.0
+        (0.0, 0.75 * 2.0**-14),
+        (-(0.75 * 2.0**-14 - 2.0**-24), 0.0),
+        (0.0, 0.9375 * 2.0**-14),
+        (0.0, 2.0**-24),
+        (-1e-6, 3e-7),
+        (0.0, 2.0**-14),  # float16's least normal
+        (0.0, 57344.0),  # rounds past float16's max
     ]
     lo = torch.cat([lo, torch.tensor([e[0] for e in edges])])
     hi = torch.cat([hi, torch.tensor([e[1] for e in edges])])

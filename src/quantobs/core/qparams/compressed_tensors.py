@@ -16,6 +16,9 @@ non-finite or out-of-range result:
 * An MX amax near the float32 maximum gets the scale `2**(128 - emax)`
   (compressed-tensors rounds it to `inf` in float32 bits and returns an
   infinite scale); exponents are clamped to the e8m0 range, code 255 is NaN.
+  Likewise in float16 arithmetic an amax that rounds past 65504 (57344 and
+  up; FP6 e2m3: 63488) gets `2**(16 - emax)`, and in bfloat16 `2**(128 -
+  emax)`, where compressed-tensors' scale is infinite.
 * A (non-MX, non-power-of-two) scale below the smallest normal number of the
   dtype it is returned in (`finfo(dtype).tiny`: 2**-126 for float32) is
   raised to it. compressed-tensors keeps the subnormal scale, rounded to the
@@ -57,6 +60,17 @@ mantissa bit (`round`, `mantissa_bits=1`: a mantissa of 1.75 or more goes up)
 for FP4 and FP8 elements, and (0.20) to the element's three for FP6 e2m3
 (`mantissa_bits=3`: 1.9375 or more goes up, so a block whose amax rounds to
 7.5 keeps the exponent that maps it to e2m3's largest value).
+
+MX in the observed dtype. compressed-tensors rounds the amax's own bits in
+that dtype: a float16 subnormal amax (below 2**-14) becomes 2**-14 from
+`0.75 * 2**-14` up (e2m3: `0.9375 * 2**-14`) and 0 below it; `log2(0)` is
+`-inf`, clamped to the uint8 code 0, whose `2**-127` (computed in float32)
+is cast back to float16 like every scale: below 2**-24 it is 0 there, and a
+zero scale becomes the eps of its uint8 scale dtype, 1.0. With
+`observed_dtype=torch.float16` the rule does the same (`_mx_scales`), so an
+all-zero or tiny float16 block gets compressed-tensors' 1.0 and no float16
+MX scale is ever 0; bfloat16 holds every e8m0 scale, and there (as in
+float32) the clamp to `2**-127` already gives compressed-tensors' numbers.
 """
 
 from __future__ import annotations
@@ -194,11 +208,35 @@ _MX_OWN_MANTISSA = frozenset({"float6_e2m3fn"})
 
 
 def _mx_scales(
-    amax: torch.Tensor, fmt: NumberFormat, rounding: Pow2Rounding
+    amax: torch.Tensor,
+    fmt: NumberFormat,
+    rounding: Pow2Rounding,
+    rounded: torch.dtype | None = None,
 ) -> torch.Tensor:
-    # scale = 2 ** (exponent(amax) - emax(element format)), an e8m0 value.
+    """`(*Q,)` MX scales `2 ** (exponent(amax) - emax)` (e8m0 values) of a
+    `(*Q,)` amax, in its dtype.
+
+    With `rounded` (bfloat16 / float16 arithmetic) the amax is a value of
+    that dtype (saturating), its own bits are rounded (`pow2_exponent`'s
+    `bits_of`: a float16 subnormal becomes 2**-14 or 0), and a scale that
+    the dtype cannot hold (below its smallest subnormal, 2**-24 in float16:
+    it rounds to 0 there) is 1.0, compressed-tensors' replacement of a zero
+    scale of its uint8 scale dtype. So a float16 all-zero block gets 1.0, as
+    in compressed-tensors, and no scale is 0 once cast to the dtype.
+    """
     bits = fmt.mantissa_bits if fmt.name in _MX_OWN_MANTISSA else 1
-    return e8m0_scale(pow2_exponent(amax, rounding, bits), fmt.emax)
+    if rounded is None:
+        return e8m0_scale(pow2_exponent(amax, rounding, bits), fmt.emax)
+    info = torch.finfo(rounded)
+    amax = amax.clamp(max=info.max).to(rounded).to(amax.dtype)
+    exponent = pow2_exponent(amax, rounding, bits, bits_of=rounded)
+    scale = e8m0_scale(exponent, fmt.emax)
+    # (*Q,) scales below the dtype's least subnormal round to 0 in it
+    return scale.masked_fill_(scale < info.tiny * info.eps, _MX_ZERO_SCALE)
+
+
+#: compressed-tensors' replacement of a zero MX scale (its eps of uint8)
+_MX_ZERO_SCALE = 1.0
 
 
 def _round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -256,7 +294,9 @@ def calculate_qparams(
             float16 round symmetric (non-MX) scales to it before the global
             scale multiplies them, and asymmetric scales and zero points at
             each step, as compressed-tensors computes in it (the zero-scale
-            replacement is then its eps); None: float32.
+            replacement is then its eps); MX scales from the amax's bits in
+            it, 1.0 where the dtype cannot hold the scale (module
+            docstring); None: float32.
         checks: where the checks of the data go (`quantobs.core.checks`):
             the caller raises them. Without it they are read at the end,
             all at once (one host-device synchronisation).
@@ -305,7 +345,7 @@ def calculate_qparams(
     if args.symmetric:  # MX, or power-of-two scales
         amax = _amax(min_vals, max_vals, work)
         if args.is_mx:
-            scale = _mx_scales(amax, fmt, pow2 or "round")
+            scale = _mx_scales(amax, fmt, pow2 or "round", rounded)
         else:
             scale = divide(amax, (qmax - qmin) / 2)
         zero_point = None  # all zeros, made in zp_dtype below

@@ -18,6 +18,10 @@ and Quark's "even" are two different `round` widths)::
                                          fp6_e2m3 / fp8_e4m3 3, MXINT8 8)
     Quark MX "floor" / "ceil"            floor / ceil
 
+compressed-tensors rounds the bits of the amax in its own dtype, so a
+subnormal of that dtype rounds to its smallest normal or to 0
+(`pow2_exponent(..., bits_of=dtype)`: float16 values below 2**-14).
+
 The MX shared scale is `2**(exponent - emax)` of the element format, an
 e8m0 value clamped to `2**-127 .. 2**127`. `pow2_nearest` rounds a scale to
 the nearest power of two in log2 (Quark's `pof2` scales: `m < sqrt(2)` goes
@@ -26,6 +30,7 @@ down), decided exactly.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -49,7 +54,11 @@ E8M0_MAX_EXP = 127  # biased 254; 255 is NaN in float8_e8m0fnu
 
 
 def pow2_exponent(
-    amax: torch.Tensor, rounding: Pow2Rounding = "round", mantissa_bits: int = 1
+    amax: torch.Tensor,
+    rounding: Pow2Rounding = "round",
+    mantissa_bits: int = 1,
+    *,
+    bits_of: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The power-of-two exponent of positive values (module truth table).
 
@@ -58,6 +67,13 @@ def pow2_exponent(
         rounding: `floor`, `ceil` or `round`.
         mantissa_bits: `k` of `round`: the mantissa width the value is rounded
             to before its exponent is taken.
+        bits_of: with `round`, the float dtype whose bits are rounded, as
+            compressed-tensors rounds the amax's own bits (`amax` holds
+            values of it): a subnormal of it, `a = f * tiny` (`f < 1`,
+            `tiny` its smallest normal), rounds to `tiny` where
+            `f >= 1 - 2**-(k + 1)`, else to 0 (exponent `-inf`); float16's
+            subnormals lie below 2**-14. None: subnormals have their exact
+            exponent (float32's only differ below 2**-126).
 
     Returns:
         float32 tensor of integer-valued exponents, same shape (exact:
@@ -78,7 +94,14 @@ def pow2_exponent(
         e = e + (mantissa >= 1.0 - 2.0 ** -(mantissa_bits + 2)).to(torch.float32)
     elif rounding == "ceil":
         e = e + (mantissa > 0.5).to(torch.float32)
-    return torch.where(amax > 0, e, torch.full_like(e, float("-inf")))
+    positive = amax > 0
+    if rounding == "round" and bits_of is not None:
+        tiny = torch.finfo(bits_of).tiny
+        # a subnormal's fraction rounded to k bits: up to `tiny`, or 0
+        up = amax >= (1.0 - 2.0 ** -(mantissa_bits + 1)) * tiny
+        e = torch.where(amax < tiny, math.log2(tiny), e)
+        positive = positive & ((amax >= tiny) | up)
+    return torch.where(positive, e, torch.full_like(e, float("-inf")))
 
 
 def e8m0_scale(exponent: torch.Tensor, emax: int) -> torch.Tensor:
