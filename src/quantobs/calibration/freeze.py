@@ -32,6 +32,7 @@ import torch
 from quantobs.calibration.attach import Attachment, attachment_of, detach
 from quantobs.calibration.experts import keep_linear
 from quantobs.calibration.offload import onloaded, remove_parameter, write_parameter
+from quantobs.calibration.pages import FilePages
 from quantobs.calibration.simulate import quantize_in_place
 
 __all__ = ["compress_modules", "freeze", "give_back_freed_memory"]
@@ -89,6 +90,7 @@ def compress_modules(model: torch.nn.Module) -> None:
     from compressed_tensors.quantization import QuantizationStatus
     from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
+    pages = FilePages(model)
     for module in model.modules():
         if not is_module_quantized(module):
             continue
@@ -105,6 +107,7 @@ def compress_modules(model: torch.nn.Module) -> None:
             compressed = compressor.compress(dict(state), scheme)
         _replace(module, compressed)
         del state, compressed
+        pages.release()  # the original weights' pages of a mapped checkpoint
         give_back_freed_memory()
 
 
