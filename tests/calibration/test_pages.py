@@ -147,3 +147,27 @@ def test_only_freed_file_backed_storages_are_released(tmp_path: Path) -> None:
     assert all(_present(pages["c"]))
     assert torch.equal(module.c_again, torch.full(shape, 2.0))
     assert release.release() == 0  # each storage once
+
+
+def test_freed_memory_is_given_back_after_each_layer_while_calibrating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole-model pass trims the heap after each decoder layer's forward
+    (`freeze.freed_after_each`); the hooks doing it leave with the pass."""
+    from quantobs.calibration import freeze
+    from quantobs.calibration.sequential import decoder_layers
+    from tests.decoders import build_decoder
+
+    model = build_decoder("llama").eval()
+    layers = decoder_layers(model)
+    assert layers is not None and len(layers[1]) > 1
+    calls: list[int] = []
+    trim = freeze.give_back_freed_memory
+    monkeypatch.setattr(freeze, "give_back_freed_memory", lambda: calls.append(1))
+    attach(model, Recipe.from_scheme("FP8", ignore=["lm_head"]))
+    batches = [{"input_ids": torch.arange(8)[None] + i} for i in range(3)]
+    calibrate(model, batches, progress=False, pipeline="model")
+    assert len(calls) == len(layers[1]) * len(batches)
+    assert not any(layer._forward_hooks for layer in layers[1])
+    monkeypatch.setattr(freeze, "give_back_freed_memory", trim)
+    trim()  # the real one runs (glibc's malloc_trim, or nothing)
