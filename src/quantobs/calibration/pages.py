@@ -22,20 +22,23 @@ storage that is now freed. Why that is safe:
   has expired): nothing reads these bytes again;
 * only inside a private (copy-on-write) mapping of a file: DONTNEED there
   drops this process's pages, and a later access would read the file again
-  (the file itself is never written); never anonymous memory, where the
-  allocator may already have given the freed bytes to a live tensor;
+  (the same bytes, for a page never written to: the file itself is never
+  written); never anonymous memory, where the allocator may already have
+  given the freed bytes to a live tensor;
 * only the pages wholly inside the storage's bytes (a page it shares with
   a neighbouring tensor stays), and none that a tensor of the model still
   uses (a loader may make several storages over one file tensor);
 * only while a recorded storage of the same mapping is alive and held
   during the call (a tensor of the model): it has kept the mapping mapped
-  since it was read, so the address range cannot have been unmapped and
+  since it was read (a storage over a mapped file keeps its mapping, as
+  safetensors' do), so the address range cannot have been unmapped and
   given to another mapping. Pages of a mapping with no such storage left
   are not dropped (the mapping went with its last tensor, or something
   else holds it).
 
-Linux only (the mappings are read from `/proc/self/maps`); elsewhere, or
-where torch has no storage weak references, `release` does nothing.
+Linux only (the mappings are read from `/proc/self/maps`); elsewhere,
+where torch has no storage weak references, or where a tensor of the model
+shows no storage, `release` does nothing.
 """
 
 from __future__ import annotations
@@ -150,8 +153,11 @@ class FilePages:
         weak = _weak_ref_type()
         if weak is None or _madvise() is None:
             return
+        live = _live_tensors(model)
+        if live is None:
+            return
         maps = [m for m in file_mappings() if m.private_file]
-        for tensor, (start, end) in _live_tensors(model):
+        for tensor, (start, end) in live:
             mapping = _containing(maps, start, end)
             if mapping is not None and start < end:
                 ref = weak(tensor.untyped_storage())
@@ -169,6 +175,8 @@ class FilePages:
             del self._recorded[recorded.ref.cdata]
         weak = _weak_ref_type()
         live = _live_tensors(self._model)  # held to the end: they pin mappings
+        if live is None:
+            return 0
         spans = [span for _, span in live]
         pins = {  # the mappings a live recorded storage has kept mapped
             self._recorded[cdata].mapping
@@ -192,10 +200,17 @@ class FilePages:
         return given
 
 
-def _live_tensors(model: torch.nn.Module) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-    """The model's CPU parameters and buffers with their storages' bytes
-    (and those an offloading hook holds for it)."""
+def _live_tensors(
+    model: torch.nn.Module,
+) -> list[tuple[torch.Tensor, tuple[int, int]]] | None:
+    """The model's CPU parameters and buffers (and those an offloading hook
+    holds for it) with their storages' bytes; None when one of them shows
+    no storage (a tensor subclass wrapping others): what it holds is then
+    unknown, and no page is dropped."""
     from quantobs.calibration.offload import held_tensors
 
     tensors = [*model.parameters(), *model.buffers(), *held_tensors(model)]
-    return [(t, _span(t)) for t in tensors if t.device.type == "cpu"]
+    try:
+        return [(t, _span(t)) for t in tensors if t.device.type == "cpu"]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
