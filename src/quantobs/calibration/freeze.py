@@ -12,7 +12,8 @@ tensors are written back where it keeps its weights (`offload`), so that no
 more than one module's weights are ever loaded; each module's original
 weight is freed as its compressed tensors replace it (in memory, and in the
 loader's CPU state dict of a CPU-offloaded module; a copy's weights map is
-its own, so `copy=True` leaves the model's).
+its own, so `copy=True` leaves the model's), and its pages of the checkpoint
+transformers mapped are given back (`quantobs.calibration.pages`).
 
 The model is then a compressed-tensors model in the `compressed` state: it
 saves (transformers' `save_pretrained`) but no longer calibrates or runs
