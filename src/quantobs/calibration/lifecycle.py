@@ -56,6 +56,7 @@ from quantobs.calibration.experts import (
     uncounted,
 )
 from quantobs.calibration.export import save_compressed
+from quantobs.calibration.freeze import freed_after_each, give_back_freed_memory
 from quantobs.calibration.outcome import CalibrationReport
 from quantobs.calibration.qparams import (
     EmptyPolicy,
@@ -304,6 +305,7 @@ class Calibration:
         acts = Attachment(self.attachment.recipe, entries=self._activations())
         qparams, self.fell_back = compute_qparams(acts, on_empty=on_empty, weights=[])
         self._write(qparams)
+        give_back_freed_memory()  # the qparams' temporaries
         tokens = {e.key: e.tokens for e in self._activations()}
         self.tokens = self.strategy.summed(tokens)
         self._keep_totals()
@@ -430,13 +432,22 @@ class Calibration:
             batches = []
         # the logits are never computed where no observer follows the base model
         head = unobserved_head(self.model, (e.module for e in self.attachment.entries))
+
+        def run(batch: Any) -> Any:
+            try:
+                return run_batch(self.model, batch, stop_before=head)
+            finally:
+                give_back_freed_memory()  # the batch's activations
+
         segment = Segment(
             entries=list(self.attachment.entries),
-            run=lambda batch: run_batch(self.model, batch, stop_before=head),
+            run=run,
             items=batches,
             first=first,
         )
-        return self.observe_segment(segment, progress, "calibrating")
+        layers = sequential.decoder_layers(self.model)
+        with freed_after_each(layers[1] if layers is not None else ()):
+            return self.observe_segment(segment, progress, "calibrating")
 
     def only(self, entries: Iterable[Entry]) -> Only:
         """A context in which the hooks feed only `entries`."""
