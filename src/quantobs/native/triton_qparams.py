@@ -34,7 +34,14 @@ import triton.language as tl
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.exact import rounded_to
 from quantobs.native import gpu
-from quantobs.native.triton_shrink import _ASYM, _MX, Rule, _float_rounding, _pow2
+from quantobs.native.triton_shrink import (
+    _ASYM,
+    _MX,
+    Rule,
+    _float_rounding,
+    _mx_exponent,
+    _pow2,
+)
 from quantobs.native.triton_shrink import _round_float as _round_fp
 
 __all__ = ["FLAGS", "Launch", "range_qparams"]
@@ -177,12 +184,7 @@ def _range_qparams_kernel(
         amax = tl.maximum(tl.maximum(-lo, hi), 0.0)
         if ROUNDED != 0:  # a value of the observed dtype (saturating)
             amax = _rounded(tl.minimum(amax, rd_max), ROUNDED)
-        bits = amax.to(tl.int32, bitcast=True)
-        biased = (bits >> 23) & 0xFF
-        sig = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-        e = (biased - 127).to(tl.float32) + (sig >= mx_threshold).to(tl.float32)
-        n = tl.minimum(tl.maximum(e - mx_emax, -127.0), 127.0)
-        n = tl.where(biased == 0, -127.0, n)  # zero, subnormal: the least
+        n = _mx_exponent(amax, mx_threshold, mx_emax)
         if ROUNDED == 2:  # float16's bits: its subnormals -> 2**-14 or 0
             up = amax >= (mx_threshold - 1.0) * 6.103515625e-05
             n_sub = tl.where(up, tl.maximum(-14.0 - mx_emax, -127.0), -127.0)

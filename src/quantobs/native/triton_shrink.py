@@ -136,6 +136,20 @@ def _round_float(a, top, split, magic, min_normal):
 
 
 @triton.jit
+def _mx_exponent(amax, mx_threshold, mx_emax):
+    """The e8m0 exponent of MX scales of float32 `amax >= 0`: its exponent
+    rounded to k bits (`mx_threshold`: the significand from which it rounds
+    up) less `mx_emax`, clamped to [-127, 127]; zero and float32 subnormals
+    get -127."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    sig = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    e = (biased - 127).to(tl.float32) + (sig >= mx_threshold).to(tl.float32)
+    n = tl.minimum(tl.maximum(e - mx_emax, -127.0), 127.0)
+    return tl.where(biased == 0, -127.0, n)
+
+
+@triton.jit
 def _pow2(n):
     """`2.0 ** n` for integer-valued float32 `n` in `-127 .. 127`, exactly."""
     k = n.to(tl.int32)
@@ -186,13 +200,7 @@ def _candidate(lo, hi, f, gs, divisor, eps, qmin, qmax, zp_low, zp_high,
         zp = (z + 12582912.0) - 12582912.0  # half to even (|z| < 2**22)
     else:  # MX: 2 ** (exponent of amax rounded to k bits - emax)
         amax = tl.maximum(tl.maximum(-low, high), 0.0)
-        bits = amax.to(tl.int32, bitcast=True)
-        biased = (bits >> 23) & 0xFF
-        sig = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-        e = (biased - 127).to(tl.float32) + (sig >= mx_threshold).to(tl.float32)
-        n = tl.minimum(tl.maximum(e - mx_emax, -127.0), 127.0)
-        n = tl.where(biased == 0, -127.0, n)  # zero, subnormal: the least
-        s = _pow2(n)
+        s = _pow2(_mx_exponent(amax, mx_threshold, mx_emax))
     return s, zp
 
 
