@@ -67,6 +67,27 @@ _POW_GENERIC, _POW_24, _POW_2, _POW_3 = 0, 1, 2, 3
 
 
 @triton.jit
+def _load_values(x_ptr, w_ptr, e, q64, ok, G, sxn, sxq, sxg, swn, swq, swg,
+                 ROWS: tl.constexpr, HAS_W: tl.constexpr):  # fmt: skip
+    """`(BQ, BE)` float32 values (and weights, or 1.0) of qparams `q64`
+    `(BQ, 1)` at value indices `e` `(1, BE)` of the `N * G` per qparam (row
+    `e // G`, column `e % G` where `ROWS`), 0 where not `ok`."""
+    if ROWS:
+        n = e // G
+        g = e - n * G
+        x_off = n * sxn + q64 * sxq + g * sxg
+        w_off = n * swn + q64 * swq + g * swg
+    else:
+        x_off = q64 * sxq + e * sxg
+        w_off = q64 * swq + e * swg
+    x = tl.load(x_ptr + x_off, mask=ok, other=0.0).to(tl.float32)
+    w = 1.0
+    if HAS_W:
+        w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+    return x, w
+
+
+@triton.jit
 def _error_power(a, norm, NORM_KIND: tl.constexpr, FAST_POW: tl.constexpr):
     """`a ** norm` for float32 `a >= 0` (module docstring)."""
     if NORM_KIND == 2:
@@ -156,18 +177,8 @@ def _errors_kernel(
         # every value of these qparams in one tile, loaded once
         e = e_start + lanes
         ok = q_ok[:, None] & (e < E)
-        if ROWS:
-            n = e // G
-            g = e - n * G
-            x_off = n * sxn + q64 * sxq + g * sxg
-            w_off = n * swn + q64 * swq + g * swg
-        else:
-            x_off = q64 * sxq + e * sxg
-            w_off = q64 * swq + e * swg
-        x = tl.load(x_ptr + x_off, mask=ok, other=0.0).to(tl.float32)
-        w = 1.0
-        if HAS_W:
-            w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+        x, w = _load_values(x_ptr, w_ptr, e, q64, ok, G, sxn, sxq, sxg, swn,
+                            swq, swg, ROWS, HAS_W)  # fmt: skip
         for c in range(C):
             s = tl.load(scale_ptr + c * Q + q, mask=q_ok, other=1.0)[:, None]
             inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
@@ -190,18 +201,8 @@ def _errors_kernel(
             for e0 in range(0, seg_len, BLOCK_E):
                 e = e_start + e0 + lanes
                 ok = q_ok[:, None] & (e < E) & (e0 + lanes < seg_len)
-                if ROWS:
-                    n = e // G
-                    g = e - n * G
-                    x_off = n * sxn + q64 * sxq + g * sxg
-                    w_off = n * swn + q64 * swq + g * swg
-                else:
-                    x_off = q64 * sxq + e * sxg
-                    w_off = q64 * swq + e * swg
-                x = tl.load(x_ptr + x_off, mask=ok, other=0.0).to(tl.float32)
-                w = 1.0
-                if HAS_W:
-                    w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+                x, w = _load_values(x_ptr, w_ptr, e, q64, ok, G, sxn, sxq, sxg, swn,
+                                    swq, swg, ROWS, HAS_W)  # fmt: skip
                 err = _error(x, s, inv, zp, w, qmin, qmax, split, magic,
                              min_normal, norm, HAS_ZP, HAS_W, IS_FLOAT, NORM_KIND,
                              EXACT, FAST_POW)  # fmt: skip

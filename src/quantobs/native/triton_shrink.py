@@ -39,7 +39,7 @@ import triton.language as tl
 from quantobs.core.args import QuantizationArgs
 from quantobs.core.formats import NumberFormat, get_format
 from quantobs.native import gpu, triton_mse
-from quantobs.native.triton_mse import _error, _row_sums
+from quantobs.native.triton_mse import _error, _load_values, _row_sums
 
 __all__ = ["Rule", "candidate_qparams", "choose", "shrink_errors"]
 
@@ -250,18 +250,8 @@ def _shrink_kernel(
     if ONE_TILE:
         e = e_start + lanes
         ok = q_ok[:, None] & (e < E)
-        if ROWS:
-            n = e // G
-            g = e - n * G
-            x_off = n * sxn + q64 * sxq + g * sxg
-            w_off = n * swn + q64 * swq + g * swg
-        else:
-            x_off = q64 * sxq + e * sxg
-            w_off = q64 * swq + e * swg
-        x = tl.load(x_ptr + x_off, mask=ok, other=0.0).to(tl.float32)
-        w = 1.0
-        if HAS_W:
-            w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+        x, w = _load_values(x_ptr, w_ptr, e, q64, ok, G, sxn, sxq, sxg, swn,
+                            swq, swg, ROWS, HAS_W)  # fmt: skip
     for c in range(C):
         f = tl.load(f_ptr + c)
         s1, z1 = _candidate(lo, hi, f, gs, divisor, eps, cqmin, cqmax, zp_low,
@@ -284,18 +274,8 @@ def _shrink_kernel(
             for e0 in range(0, seg_len, BLOCK_E):
                 e = e_start + e0 + lanes
                 ok = q_ok[:, None] & (e < E) & (e0 + lanes < seg_len)
-                if ROWS:
-                    n = e // G
-                    g = e - n * G
-                    x_off = n * sxn + q64 * sxq + g * sxg
-                    w_off = n * swn + q64 * swq + g * swg
-                else:
-                    x_off = q64 * sxq + e * sxg
-                    w_off = q64 * swq + e * swg
-                x = tl.load(x_ptr + x_off, mask=ok, other=0.0).to(tl.float32)
-                w = 1.0
-                if HAS_W:
-                    w = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+                x, w = _load_values(x_ptr, w_ptr, e, q64, ok, G, sxn, sxq, sxg, swn,
+                                    swq, swg, ROWS, HAS_W)  # fmt: skip
                 err = _error(x, s, inv, zp, w, qmin, qmax, split, magic,
                              min_normal, norm, HAS_ZP, HAS_W, IS_FLOAT,
                              NORM_KIND, EXACT, FAST_POW)  # fmt: skip
